@@ -1,0 +1,112 @@
+"""The directory's contract: small frozen values cross the boundary, never backend replies."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from tokenizer.keys import BlockKey
+
+
+class Tier(enum.IntEnum):
+    """Where a node keeps a block. Lower is faster; a CPU-tier hit is worth less than a GPU one.
+
+    Engines name media differently (vLLM GPU/CPU/STORAGE; SGLang GPU/CPU_PINNED/DISK/EXTERNAL);
+    ``Tier.from_medium`` folds them onto these three.
+    """
+
+    GPU = 0
+    CPU = 1
+    STORAGE = 2
+
+    @classmethod
+    def from_medium(cls, medium: str | None) -> "Tier":
+        m = (medium or "GPU").upper()
+        if m in ("GPU", "CUDA", "HBM"):
+            return cls.GPU
+        if m in ("CPU", "CPU_PINNED", "DRAM"):
+            return cls.CPU
+        return cls.STORAGE
+
+
+class DirectoryUnavailable(Exception):
+    """The directory backend cannot be reached or answered an error: callers fail open."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A serving node as registered by its bridge (or by static config)."""
+
+    node_id: str
+    address: str  # "ip:port" of the OpenAI-compatible server; what Envoy routes to
+    transfer_endpoint: str = ""  # "ip:port" of the KV transfer agent; "" = cannot serve pulls
+    capacity_blocks: int = 0  # KV cache size in blocks (0 = unknown)
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """Load every gateway replica sees for a node: in-flight requests and their queued prefill."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    """One live node as seen by one lookup: its longest cached prefix of the asked keys, its load."""
+
+    node: NodeInfo
+    cached_blocks: int  # length of the longest prefix of the asked keys held (in engine blocks)
+    tier: Tier  # slowest tier within that prefix (GPU when cached_blocks == 0)
+    load: NodeLoad
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryView:
+    """Answer to ``Directory.lookup``: every live node, in a stable order (by node_id)."""
+
+    nodes: tuple[NodeView, ...]
+
+    def best(self) -> NodeView | None:
+        return max(self.nodes, key=lambda n: n.cached_blocks, default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Load taken on a node by one routed request; give it back with ``Directory.release``."""
+
+    node_id: str
+    requests: int = 1
+    prefill_tokens: int = 0
+    token: str = field(default="")  # backend-specific handle (e.g. for expiry of leaked reservations)
+
+
+@runtime_checkable
+class Directory(Protocol):
+    """One async interface over the in-process, Redis and Redis Cluster backends.
+
+    Semantics (DESIGN.md §3): an entry means "node N held block K in tier M"; entries of nodes
+    whose heartbeat expired are never returned; lookups stop at the first missing block; writes
+    are idempotent. Every method raises ``DirectoryUnavailable`` (and nothing else) when the
+    backend is down.
+    """
+
+    async def register_node(self, node: NodeInfo) -> None: ...
+    async def heartbeat(self, node_id: str) -> None: ...
+    async def deregister_node(self, node_id: str) -> None: ...
+    async def live_nodes(self) -> list[NodeInfo]: ...
+
+    async def record_stored(self, node_id: str, keys: Sequence[BlockKey], tier: Tier = Tier.GPU) -> None: ...
+    async def record_removed(self, node_id: str, keys: Sequence[BlockKey], tier: Tier | None = None) -> None: ...
+    async def clear_node(self, node_id: str) -> None: ...
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView: ...
+
+    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation: ...
+    async def release(self, reservation: Reservation) -> None: ...
+    async def loads(self) -> dict[str, NodeLoad]: ...
+
+    async def aclose(self) -> None: ...

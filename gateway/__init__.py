@@ -1,0 +1,1 @@
+"""kvgate's gateway core: the routing decision, its cost model, config, CLI and admin API."""

@@ -1,0 +1,70 @@
+"""Values that cross the gateway's boundary: what a policy is asked and what it answers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from directory_client.types import NodeInfo, Tier
+
+Outcome = Literal["owner", "pull", "recompute", "balanced", "no_nodes"]
+"""owner: the node holding the longest prefix; pull: another node fetches it first;
+recompute: a node with less (or nothing) cached is cheaper; balanced: a load/round-robin
+policy chose without looking at the cache; no_nodes: nothing live, the caller fails open."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What the policy needs to know of one inference request (no text, no token IDs)."""
+
+    model: str
+    prompt_tokens: int
+    total_blocks: int  # full blocks of the prompt (len(keys))
+    block_size: int
+    request_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PullPlan:
+    """Tell the chosen node to fetch ``blocks`` leading blocks from ``source`` before prefill."""
+
+    source_node_id: str
+    source_endpoint: str  # transfer agent "ip:port" → x-kv-cache-source-host-port
+    blocks: int  # how many leading blocks of the prompt to pull (the source's cached prefix)
+
+
+@dataclass(frozen=True, slots=True)
+class CandidateCost:
+    """One node's estimated time to first token, by part, as the policy saw it."""
+
+    node_id: str
+    address: str
+    cached_blocks: int
+    tier: Tier
+    inflight: int
+    queue_s: float
+    transfer_s: float
+    prefill_s: float
+    total_s: float
+    via_pull: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The answer: where to send the request, what to fall back to, and why."""
+
+    policy: str
+    outcome: Outcome
+    node: NodeInfo | None
+    fallbacks: tuple[str, ...] = ()  # further "ip:port" in order of preference
+    pull: PullPlan | None = None
+    expected_cached_tokens: int = 0
+    candidates: tuple[CandidateCost, ...] = ()
+    reason: str = ""
+
+    @property
+    def destination_header(self) -> str:
+        """Value of x-gateway-destination-endpoint: the node, then fallbacks, comma-separated."""
+        if self.node is None:
+            return ""
+        return ",".join((self.node.address, *self.fallbacks))
