@@ -1,0 +1,41 @@
+"""The ``kvgate`` command. Each subcommand lives in its own module and is imported only when run,
+so ``kvgate worker`` never pays for gRPC and ``kvgate serve`` never for matplotlib.
+
+A subcommand module exposes ``configure(parser)`` (adds its arguments) and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    # name: (module, one-line help)
+    "serve": ("gateway.serve_cmd", "run the gateway: Envoy ext_proc service + admin API"),
+    "envoy-config": ("gateway.envoy_config", "render the Envoy bootstrap for a fleet"),
+    "worker": ("workers.engine.cli", "run a simulated inference engine (OpenAI API, KV events)"),
+    "bridge": ("workers.bridge_cmd", "forward engines' KV events into the directory"),
+    "bench": ("gateway.bench_cmd", "measure what the gateway costs per request"),
+    "demo": ("gateway.demo_cmd", "end-to-end demo: Envoy + kvgate + a fleet, requests following their prefix"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvgate", description="KV-cache-affinity gateway for LLM inference fleets")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    chosen = argv[0] if argv and argv[0] in SUBCOMMANDS else None
+    module = None
+    for name, (mod_name, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(mod_name)
+            module.configure(p)
+    args = parser.parse_args(argv)
+    assert module is not None  # argparse rejected unknown commands above
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
