@@ -1,0 +1,55 @@
+"""A minimal HTTP upstream for request-path tests: says which node answered and what it saw.
+
+Run as ``python -m tests.support.echo_upstream --port P --name B``. It is a real server on a real
+socket; it does no inference (the simulated engine is tested elsewhere), so routing tests stay fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from aiohttp import web
+
+
+def build_app(name: str, delay_s: float) -> web.Application:
+    seen: list[dict] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        body = await request.read()
+        entry = {
+            "node": name,
+            "method": request.method,
+            "path": request.path,
+            "headers": {k.lower(): v for k, v in request.headers.items()},
+            "body_len": len(body),
+        }
+        seen.append(entry)
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        return web.json_response(entry)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"node": name})
+
+    async def stats(_: web.Request) -> web.Response:
+        return web.json_response({"node": name, "requests": len(seen), "seen": seen[-50:]})
+
+    app = web.Application(client_max_size=64 << 20)
+    app.router.add_get("/health", health)
+    app.router.add_get("/_stats", stats)
+    app.router.add_route("*", "/{tail:.*}", handle)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--delay", type=float, default=0.0)
+    a = p.parse_args()
+    web.run_app(build_app(a.name, a.delay), host="127.0.0.1", port=a.port, print=None, access_log=None)
+
+
+if __name__ == "__main__":
+    main()
