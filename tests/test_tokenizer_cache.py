@@ -1,0 +1,95 @@
+"""The byte-bounded LRU behind the segment cache."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tokenizer.lru import ByteBoundedLRU, entry_cost
+
+
+def ids(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.uint32)
+
+
+def test_cost_counts_utf8_key_bytes_and_four_bytes_per_token() -> None:
+    assert entry_cost("abc", ids(5)) == 3 + 20
+    assert entry_cost("日本", ids(1)) == 6 + 4
+    cache = ByteBoundedLRU(1000)
+    cache.put("日本", ids(3))
+    cache.put("x", ids(0))
+    assert cache.stats.bytes == 6 + 12 + 1
+
+
+def test_evicts_least_recently_used_to_stay_within_bound() -> None:
+    cache = ByteBoundedLRU(3 * entry_cost("a", ids(10)))
+    for key in "abc":
+        cache.put(key, ids(10))
+    assert cache.get("a") is not None  # a becomes most recent; b is now the oldest
+    cache.put("d", ids(10))
+    assert "b" not in cache and all(k in cache for k in "acd")
+    assert cache.stats.bytes <= cache.stats.capacity_bytes
+    assert cache.stats.entries == 3
+
+
+def test_replacing_a_key_does_not_double_count() -> None:
+    cache = ByteBoundedLRU(1000)
+    cache.put("k", ids(10))
+    cache.put("k", ids(3))
+    assert cache.stats.bytes == 1 + 12 and len(cache) == 1
+    assert cache.get("k").tolist() == [0, 1, 2]
+
+
+def test_entry_larger_than_the_bound_is_not_stored_and_evicts_nothing() -> None:
+    cache = ByteBoundedLRU(100)
+    cache.put("small", ids(2))
+    cache.put("huge", ids(100))
+    assert "huge" not in cache and "small" in cache
+
+
+def test_hit_and_miss_counters_and_tuple_unpacking() -> None:
+    cache = ByteBoundedLRU(1000)
+    cache.put("a", ids(1))
+    assert [x is None for x in cache.get_many(["a", "b", "a", "c"])] == [False, True, False, True]
+    hits, misses, size = cache.stats
+    assert (hits, misses, size) == (2, 2, 5)
+    cache.clear()
+    assert cache.stats.bytes == 0 and len(cache) == 0 and cache.stats.hits == 2
+
+
+def test_negative_capacity_is_refused() -> None:
+    with pytest.raises(ValueError):
+        ByteBoundedLRU(-1)
+
+
+def test_concurrent_use_keeps_accounting_exact() -> None:
+    cache = ByteBoundedLRU(5_000)
+    errors: list[BaseException] = []
+    lookups = [0] * 4
+
+    def worker(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(2_000):
+                key = f"k{rng.integers(0, 200)}"
+                if rng.random() < 0.5:
+                    cache.put(key, ids(int(rng.integers(0, 30))))
+                else:
+                    cache.get_many([key, f"k{rng.integers(0, 200)}"])
+                    lookups[seed] += 2
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    stats = cache.stats
+    assert stats.hits + stats.misses == sum(lookups)  # no lost updates under the lock
+    assert stats.bytes <= 5_000
+    with cache._lock:  # recompute from the entries themselves
+        assert stats.bytes == sum(entry_cost(k, v) for k, (v, _) in cache._data.items())

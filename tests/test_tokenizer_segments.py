@@ -1,0 +1,213 @@
+"""Segment-cached encoding equals the tokenizer's whole-text encoding, for DeepSeek's tokenizer
+and for small tokenizers that exercise the rules the splitter must respect (added-token
+lstrip/rstrip/single_word/normalized flags, ByteLevel add_prefix_space, a Metaspace prefix,
+a post-processor that adds BOS/EOS, ``encode_special_tokens``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from tokenizer.encoder import SegmentedEncoder
+from tokenizer.loading import load_tokenizer
+
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "Hello, world! 12345 tokens and more tokens.",
+    "def f(x):\n    return x * 2\n\n",
+    "日本語のテキストと中文文本 mixed with English",
+    "  leading and trailing spaces  ",
+]
+
+SYNTH_ADDED = ["<s>", "</s>", "<mask>", "[RS]", "word", "<n>", "<|im_start|>", "<|im_end|>"]
+FILLERS = [" ", "  ", "\n", "\t", "\n\n", "word", "words", "a word here", "<", ">", "<s", "s>", "｜", "é", "😀"]
+
+
+def _train(pre_tokenizer: object, normalizer: object | None = None, decoder: object | None = None) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    if decoder is not None:
+        tok.decoder = decoder
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if isinstance(pre_tokenizer, pre_tokenizers.ByteLevel) else []
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, show_progress=False)
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return tok
+
+
+def _with_added(tok: Tokenizer) -> Tokenizer:
+    tok.add_special_tokens([AddedToken("<s>", normalized=False), AddedToken("</s>", normalized=False)])
+    tok.add_special_tokens([AddedToken("<|im_start|>", normalized=False), AddedToken("<|im_end|>", normalized=False)])
+    tok.add_tokens(
+        [
+            AddedToken("<mask>", lstrip=True, normalized=False),
+            AddedToken("[RS]", rstrip=True, normalized=False),
+            AddedToken("word", single_word=True, normalized=False),
+            AddedToken("<n>", normalized=True),
+        ]
+    )
+    return tok
+
+
+def bytelevel_prefix_space_bos_eos() -> Tokenizer:
+    tok = _with_added(_train(pre_tokenizers.ByteLevel(add_prefix_space=True), decoder=decoders.ByteLevel()))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", tok.token_to_id("<s>")), ("</s>", tok.token_to_id("</s>"))]
+    )
+    return tok
+
+
+def unflagged_normalized_tokens() -> Tokenizer:
+    """Like DeepSeek: identity normalizer, chat markers as normalized non-special tokens."""
+    tok = _train(pre_tokenizers.ByteLevel(add_prefix_space=False), normalizers.Sequence([]), decoders.ByteLevel())
+    tok.add_special_tokens([AddedToken("<s>", normalized=False), AddedToken("</s>", normalized=False)])
+    tok.add_tokens([AddedToken(t, normalized=True) for t in ("<|im_start|>", "<|im_end|>", "<n>", "<|im")])
+    return tok
+
+
+def lowercase_normalizer_metaspace() -> Tokenizer:
+    tok = _with_added(_train(pre_tokenizers.Metaspace(prepend_scheme="always"), normalizers.Lowercase()))
+    return tok
+
+
+def metaspace_prepend_first() -> Tokenizer:
+    return _with_added(_train(pre_tokenizers.Metaspace(prepend_scheme="first")))
+
+
+def encode_special_tokens_on() -> Tokenizer:
+    tok = bytelevel_prefix_space_bos_eos()
+    tok.encode_special_tokens = True
+    return tok
+
+
+def deepseek() -> Tokenizer:
+    return load_tokenizer().tokenizer
+
+
+VARIANTS: dict[str, Callable[[], Tokenizer]] = {
+    "deepseek": deepseek,
+    "bytelevel-prefix-space-bos-eos": bytelevel_prefix_space_bos_eos,
+    "unflagged-normalized": unflagged_normalized_tokens,
+    "lowercase-metaspace": lowercase_normalizer_metaspace,
+    "metaspace-first": metaspace_prepend_first,
+    "encode-special-tokens": encode_special_tokens_on,
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def encoder(request: pytest.FixtureRequest) -> SegmentedEncoder:
+    return SegmentedEncoder(VARIANTS[request.param](), cache_bytes=1 << 20)
+
+
+def _pieces(tok: Tokenizer) -> list[str]:
+    added = [t.content for t in tok.get_added_tokens_decoder().values()]
+    added = [t for t in added if not t.startswith("<｜place")][:60] + ["<｜place▁holder▁no▁7｜>"]
+    return added + SYNTH_ADDED + FILLERS + [t[:-1] for t in added[:10]] + [t[1:] for t in added[:10]]
+
+
+def texts(tok: Tokenizer) -> st.SearchStrategy[str]:
+    piece = st.one_of(st.text(max_size=12), st.sampled_from(_pieces(tok)))
+    return st.lists(piece, max_size=12).map("".join)
+
+
+SEGMENTED = {name: name != "metaspace-first" for name in VARIANTS}
+PROBE = "a<s> b <mask> c[RS] d word <n><|im_start|>x<|im_end|>"
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def named_encoder(request: pytest.FixtureRequest) -> tuple[str, SegmentedEncoder]:
+    return request.param, SegmentedEncoder(VARIANTS[request.param](), cache_bytes=1 << 20)
+
+
+def test_segmentation_is_on_unless_per_piece_encoding_cannot_be_exact(named_encoder: tuple[str, SegmentedEncoder]) -> None:
+    name, enc = named_encoder
+    assert enc.splitter.enabled is SEGMENTED[name], enc.splitter.reason
+    cuts = [p for p in enc.splitter.split(PROBE) if isinstance(p, int)]
+    if name in ("bytelevel-prefix-space-bos-eos", "lowercase-metaspace"):
+        # Unflagged raw tokens are cut; flagged (<mask>, [RS], word) and normalized (<n>) stay inside pieces.
+        names = ["<s>", "<|im_start|>", "<|im_end|>"]
+        assert cuts == [enc.tokenizer.token_to_id(t) for t in names]
+    if name == "unflagged-normalized":
+        names = ["<s>", "<n>", "<|im_start|>", "<|im_end|>"]
+        assert cuts == [enc.tokenizer.token_to_id(t) for t in names]
+    if name in ("metaspace-first", "encode-special-tokens"):
+        assert cuts == []  # disabled, or every matching token is special and must stay text
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_cached_encoding_equals_whole_encoding(encoder: SegmentedEncoder, data: st.DataObject) -> None:
+    tok = encoder.tokenizer
+    text = data.draw(texts(tok))
+    for special in (False, True):
+        whole = tok.encode(text, add_special_tokens=special).ids
+        assert encoder.encode(text, add_special_tokens=special).tolist() == whole  # cold (or partly warm)
+        assert encoder.encode(text, add_special_tokens=special).tolist() == whole  # warm
+
+
+def test_deepseek_splits_at_chat_markers_and_keeps_user_text_whole() -> None:
+    enc = SegmentedEncoder(deepseek(), cache_bytes=1 << 20)
+    tok = enc.tokenizer
+    user = tok.token_to_id("<｜User｜>")
+    text = "<｜begin▁of▁sentence｜>sys<｜User｜>hello <think> x<｜Assistant｜>"
+    assert enc.splitter.split(text) == [0, "sys", user, "hello ", tok.token_to_id("<think>"), " x", user + 1]
+
+
+def test_warm_cache_serves_history_and_encodes_only_the_new_turn() -> None:
+    enc = SegmentedEncoder(deepseek(), cache_bytes=1 << 20)
+    turn1 = "<｜begin▁of▁sentence｜>be brief<｜User｜>first question<｜Assistant｜>"
+    turn2 = turn1 + "first answer<｜end▁of▁sentence｜><｜User｜>second question<｜Assistant｜>"
+    enc.encode(turn1, add_special_tokens=False)
+    hits0, misses0, _ = enc.cache.stats
+    plan = enc.plan(turn2, add_special_tokens=False)
+    assert plan.missing == ["first answer", "second question"]
+    assert enc.complete(plan).tolist() == enc.tokenizer.encode(turn2, add_special_tokens=False).ids
+    hits1, misses1, _ = enc.cache.stats
+    assert (hits1 - hits0, misses1 - misses0) == (2, 2)
+
+
+def test_post_processor_wrap_is_detected() -> None:
+    enc = SegmentedEncoder(bytelevel_prefix_space_bos_eos(), cache_bytes=1 << 20)
+    assert enc.encode("", add_special_tokens=True).tolist() == enc.tokenizer.encode("", add_special_tokens=True).ids
+    ids = enc.encode("hello", add_special_tokens=True).tolist()
+    assert ids[0] == enc.tokenizer.token_to_id("<s>") and ids[-1] == enc.tokenizer.token_to_id("</s>")
+
+
+def test_results_are_uint32_and_read_only() -> None:
+    enc = SegmentedEncoder(deepseek(), cache_bytes=1 << 20)
+    ids = enc.encode("some text<｜User｜>more", add_special_tokens=False)
+    assert ids.dtype.name == "uint32" and ids.ndim == 1
+    with pytest.raises(ValueError):
+        ids[0] = 1
+
+
+def _naive_leftmost_longest(words: list[str], text: str) -> list[tuple[int, int, str]]:
+    out, i = [], 0
+    while i < len(text):
+        hits = [w for w in words if text.startswith(w, i)]
+        if hits:
+            w = max(hits, key=len)
+            out.append((i, i + len(w), w))
+            i += len(w)
+        else:
+            i += 1
+    return out
+
+
+@settings(max_examples=300)
+@given(
+    words=st.lists(st.text(alphabet="abc<>｜", min_size=1, max_size=4), min_size=1, max_size=8, unique=True),
+    text=st.text(alphabet="abc<>｜ x", max_size=40),
+    many_firsts=st.booleans(),
+)
+def test_literal_matcher_is_leftmost_longest(words: list[str], text: str, many_firsts: bool) -> None:
+    from tokenizer.segments import _LiteralMatcher
+
+    if many_firsts:  # more distinct first characters than the str.find path handles: regex scan
+        words = words + ["1", "2", "3", "4", "5"]
+    assert _LiteralMatcher(words).find(text) == _naive_leftmost_longest(words, text)

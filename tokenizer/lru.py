@@ -1,0 +1,108 @@
+"""A byte-bounded, thread-safe LRU map from text segments to their token IDs.
+
+The bound is on memory, not entry count, because segments range from one word to a whole
+32k-token document. An entry costs the UTF-8 size of its key plus 4 bytes per token (the uint32
+array); Python object overhead is not counted, so the real footprint is somewhat larger. One lock
+guards the map: the event loop and the tokenizer thread pool read and fill it at once, and every
+operation under the lock is O(number of keys), never a tokenization.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Counters since construction; ``bytes`` is the current accounted size."""
+
+    hits: int
+    misses: int
+    bytes: int
+    entries: int
+    capacity_bytes: int
+
+    def __iter__(self):  # lets callers write ``hits, misses, size = stats`` as the contract says
+        return iter((self.hits, self.misses, self.bytes))
+
+
+def entry_cost(key: str, value: np.ndarray) -> int:
+    """Accounted bytes of one entry: key text as UTF-8 plus 4 bytes per token."""
+    return len(key.encode("utf-8", "surrogatepass")) + 4 * len(value)
+
+
+class ByteBoundedLRU:
+    """Least-recently-used eviction once the accounted bytes exceed ``capacity_bytes``."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError("capacity_bytes must be >= 0")
+        self._capacity = capacity_bytes
+        self._data: OrderedDict[str, tuple[np.ndarray, int]] = OrderedDict()
+        self._bytes = 0
+        self._hits = 0
+        self._misses = 0
+        self._lock = threading.Lock()
+
+    def get_many(self, keys: Sequence[str]) -> list[np.ndarray | None]:
+        """Look up several keys under one lock acquisition; hits become most recent."""
+        out: list[np.ndarray | None] = []
+        with self._lock:
+            data = self._data
+            hits = 0
+            for key in keys:
+                entry = data.get(key)
+                if entry is None:
+                    out.append(None)
+                else:
+                    data.move_to_end(key)
+                    out.append(entry[0])
+                    hits += 1
+            self._hits += hits
+            self._misses += len(keys) - hits
+        return out
+
+    def get(self, key: str) -> np.ndarray | None:
+        return self.get_many((key,))[0]
+
+    def put_many(self, items: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Insert entries (costs computed outside the lock), then evict the oldest to fit."""
+        costed = [(k, v, entry_cost(k, v)) for k, v in items]
+        with self._lock:
+            data = self._data
+            for key, value, cost in costed:
+                if cost > self._capacity:
+                    continue  # would evict everything and still not fit
+                old = data.pop(key, None)
+                if old is not None:
+                    self._bytes -= old[1]
+                data[key] = (value, cost)
+                self._bytes += cost
+            while self._bytes > self._capacity:
+                _, (_, cost) = data.popitem(last=False)
+                self._bytes -= cost
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        self.put_many(((key, value),))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._bytes, len(self._data), self._capacity)

