@@ -31,6 +31,7 @@ class HardwareProfile(BaseModel):
     kv_capacity_blocks: int = Field(gt=0, description="paged KV cache size in blocks")
     max_num_seqs: int = Field(256, gt=0, description="max running sequences (continuous batching)")
     max_num_batched_tokens: int = Field(8192, gt=0, description="token budget of one engine step")
+    max_model_len: int = Field(32768, gt=0, description="longest prompt + reply the model accepts")
 
     prefill_tokens_per_s: float = Field(gt=0, description="linear (MLP/projection) prefill throughput")
     prefill_attention_s_per_token2: float = Field(
@@ -82,7 +83,8 @@ def shipped_profiles() -> list[str]:
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name (e.g. ``llama-3.1-8b-h100``) or a YAML file by path."""
     path = Path(name_or_path)
-    if not path.suffix:
+    # A bare name ("llama-3.1-8b-h100": its dots are not a suffix) is a shipped profile.
+    if path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"no hardware profile {name_or_path!r}; shipped: {', '.join(shipped_profiles())}")

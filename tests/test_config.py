@@ -1,0 +1,220 @@
+"""Config: YAML + KVGATE_* environment + overrides; every bad field is named at start."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gateway.config import ConfigError, KvgateConfig, load_config, parse_size
+from gateway.policy import POLICY_NAMES
+from gateway.profile import PROFILE_DIR
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No KVGATE_* variable from the machine may leak into these tests."""
+    for name in list(os.environ):
+        if name.upper().startswith("KVGATE_"):
+            monkeypatch.delenv(name)
+
+
+def write(tmp_path: Path, data, name: str = "kvgate.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def errors_of(**kwargs) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(**kwargs)
+    return str(info.value)
+
+
+FLEET = [
+    {"node_id": "n1", "address": "10.0.0.1:8000", "transfer_endpoint": "10.0.0.1:9100",
+     "events_endpoint": "tcp://10.0.0.1:5557", "replay_endpoint": "tcp://10.0.0.1:5558"},
+    {"node_id": "n2", "address": "10.0.0.2:8000"},
+]  # fmt: skip
+
+
+def test_defaults_are_valid_and_build_a_policy():
+    cfg = load_config()
+    assert (cfg.listen_host, cfg.ext_proc_port, cfg.admin_port, cfg.block_size) == ("127.0.0.1", 9002, 9003, 16)
+    assert cfg.models == [] and cfg.fleet == []
+    assert cfg.directory.url == "memory://" and cfg.directory.index_stride is None
+    assert cfg.tokenizer.cache_bytes == 256 << 20 and cfg.limits.max_body_bytes == 8 << 20
+    assert cfg.policy.name == "kvgate" and cfg.policy.hardware_profile().name == "llama-3.1-8b-h100"
+    assert cfg.policy.build().name == "kvgate"
+    assert (cfg.log.level, cfg.log.json_lines) == ("INFO", False)
+
+
+def test_yaml_file_is_loaded(tmp_path):
+    path = write(tmp_path, {
+        "models": ["llama"],
+        "block_size": 32,
+        "directory": {"url": "redis://127.0.0.1:6379/0", "index_stride": 4},
+        "fleet": FLEET,
+        "policy": {"name": "kvgate_nopull", "profile": "qwen2.5-32b-h100", "link": "rdma", "fallbacks": 1},
+        "limits": {"max_body_bytes": "16MiB", "max_prompt_tokens": 32768},
+        "log": {"level": "debug", "json": True},
+    })  # fmt: skip
+    cfg = load_config(path)
+    assert cfg.models == ["llama"] and cfg.block_size == 32
+    assert cfg.directory.url == "redis://127.0.0.1:6379/0" and cfg.directory.index_stride == 4
+    assert [n.node_id for n in cfg.fleet] == ["n1", "n2"]
+    assert cfg.fleet[0].transfer_endpoint == "10.0.0.1:9100" and cfg.fleet[1].transfer_endpoint == ""
+    assert cfg.policy.hardware_profile().name == "qwen2.5-32b-h100"
+    assert cfg.limits.max_body_bytes == 16 << 20
+    assert (cfg.log.level, cfg.log.json_lines) == ("DEBUG", True)
+    assert cfg.policy.options() == {
+        "link": "rdma", "min_pull_blocks": 8, "fallbacks": 1, "saturation_penalty_s": 1.0, "tie_tolerance_s": 0.001,
+    }  # fmt: skip  (kvgate_nopull takes no allow_pull)
+    assert cfg.policy.build().name == "kvgate_nopull"
+
+
+def test_environment_overrides_yaml_key_by_key(tmp_path, monkeypatch):
+    path = write(tmp_path, {"policy": {"name": "kvgate", "link": "rdma"}, "directory": {"key_prefix": "file"}})
+    monkeypatch.setenv("KVGATE_POLICY__NAME", "round_robin")
+    monkeypatch.setenv("KVGATE_DIRECTORY__LOOKUP_TIMEOUT_MS", "40")
+    monkeypatch.setenv("KVGATE_ADMIN_PORT", "9100")
+    monkeypatch.setenv("KVGATE_FLEET", json.dumps(FLEET[1:]))
+    cfg = load_config(path)
+    assert cfg.policy.name == "round_robin" and cfg.policy.link == "rdma"  # the file's link survives
+    assert cfg.directory.lookup_timeout_ms == 40 and cfg.directory.key_prefix == "file"
+    assert cfg.admin_port == 9100
+    assert [n.node_id for n in cfg.fleet] == ["n2"]
+
+
+def test_path_from_env_and_overrides_rank_highest(tmp_path, monkeypatch):
+    path = write(tmp_path, {"policy": {"name": "prefix_only"}, "ext_proc_port": 7000})
+    monkeypatch.setenv("KVGATE_CONFIG", str(path))
+    monkeypatch.setenv("KVGATE_POLICY__NAME", "least_request")
+    cfg = load_config(policy={"name": "round_robin"})
+    assert cfg.ext_proc_port == 7000 and cfg.policy.name == "round_robin"
+
+
+def test_unknown_fields_are_rejected_and_named(tmp_path, monkeypatch):
+    path = write(tmp_path, {"bogus": 1, "policy": {"linkk": "tcp"}, "fleet": [{**FLEET[1], "port": 1}]})
+    monkeypatch.setenv("KVGATE_DIRECTORY__URLL", "memory://")
+    msg = errors_of(path=path)
+    for where in ("bogus: unknown field", "policy.linkk: unknown field", "fleet[0].port: unknown field",
+                  "directory.urll: unknown field"):  # fmt: skip
+        assert where in msg
+    assert msg.startswith("4 invalid settings")
+
+
+@pytest.mark.parametrize(
+    "address, why",
+    [
+        ("localhost:8000", "must be an IP address"),
+        ("10.0.0.1", "is not host:port"),
+        ("10.0.0.1:0", "port must be 1-65535"),
+        ("10.0.0.1:65536", "port must be 1-65535"),
+        ("10.0.0.1:http", "port must be 1-65535"),
+        ("::1:8000", "brackets"),
+        ("", "is not host:port"),
+    ],
+)
+def test_bad_node_address_is_named(address, why):
+    msg = errors_of(fleet=[{"node_id": "n1", "address": address}])
+    assert "fleet[0].address:" in msg and why in msg
+
+
+def test_good_addresses_and_endpoints_pass():
+    cfg = load_config(fleet=[
+        {"node_id": "a", "address": "[::1]:8000", "transfer_endpoint": "node-a.fleet.svc:9100",
+         "events_endpoint": "ipc:///tmp/a.sock", "replay_endpoint": "tcp://node-a:5558"},
+    ])  # fmt: skip
+    assert cfg.fleet[0].address == "[::1]:8000"
+
+
+def test_bad_endpoints_are_named():
+    msg = errors_of(fleet=[{
+        "node_id": "n1", "address": "10.0.0.1:8000", "transfer_endpoint": "bad host:9",
+        "events_endpoint": "tcp://*:5557", "replay_endpoint": "http://10.0.0.1:5558",
+    }])  # fmt: skip
+    assert "fleet[0].transfer_endpoint: 'bad host:9'" in msg
+    assert "fleet[0].events_endpoint: 'tcp://*:5557': '*' is a bind address" in msg
+    assert "fleet[0].replay_endpoint:" in msg and "scheme must be tcp, ipc or inproc" in msg
+
+
+def test_duplicate_node_ids_and_addresses_are_rejected():
+    msg = errors_of(fleet=[FLEET[0], {**FLEET[1], "node_id": "n1"}])
+    assert "fleet: duplicate node_id 'n1'" in msg
+    msg = errors_of(fleet=[FLEET[0], {**FLEET[1], "address": FLEET[0]["address"]}])
+    assert "fleet: duplicate address '10.0.0.1:8000'" in msg
+
+
+def test_unknown_policy_and_profile_are_named():
+    msg = errors_of(policy={"name": "fastest", "profile": "gpt-5-on-a-toaster"})
+    assert "policy.name: unknown policy 'fastest'; choose one of " + ", ".join(POLICY_NAMES) in msg
+    assert "policy.profile: no hardware profile 'gpt-5-on-a-toaster'" in msg and "llama-3.1-8b-h100" in msg
+
+
+def test_profile_by_path_and_its_links_are_checked(tmp_path):
+    data = yaml.safe_load((PROFILE_DIR / "llama-3.1-8b-h100.yaml").read_text())
+    data.update(name="tcp-only", links_gbps={"tcp": 10})
+    path = write(tmp_path, data, "tcp-only.yaml")
+    assert load_config(policy={"profile": str(path)}).policy.hardware_profile().name == "tcp-only"
+    msg = errors_of(policy={"profile": str(path), "link": "rdma"})
+    assert "policy: link 'rdma' is not priced by profile" in msg
+
+    broken = write(tmp_path, {**data, "kv_bytes_per_token": -1}, "broken.yaml")
+    assert "policy.profile: hardware profile" in errors_of(policy={"profile": str(broken)})
+
+
+def test_value_ranges_are_named():
+    msg = errors_of(
+        ext_proc_port=7000, admin_port=7000, block_size=0,
+        directory={"heartbeat_ttl_s": 0, "url": "localhost:6379"},
+        policy={"fallbacks": -1, "min_pull_blocks": 0, "link": "carrier-pigeon"},
+        log={"level": "chatty"},
+    )  # fmt: skip
+    for where in ("block_size:", "directory.heartbeat_ttl_s:", "directory.url: 'localhost:6379' is not a URL",
+                  "policy.fallbacks:", "policy.min_pull_blocks:", "policy.link:", "log.level:"):  # fmt: skip
+        assert where in msg
+    assert "ext_proc_port and admin_port are both 7000" in errors_of(ext_proc_port=7000, admin_port=7000)
+
+
+def test_chat_template_must_exist_unless_inline(tmp_path):
+    assert "tokenizer.chat_template: file" in errors_of(tokenizer={"chat_template": str(tmp_path / "none.jinja")})
+    template = write(tmp_path, "{{ messages }}", "t.jinja")
+    assert load_config(tokenizer={"chat_template": str(template)}).tokenizer.chat_template == str(template)
+    assert load_config(tokenizer={"chat_template": "{% for m in messages %}{{ m }}{% endfor %}"})
+
+
+def test_bad_files_and_env_json_fail_with_a_message(tmp_path, monkeypatch):
+    assert "config file" in errors_of(path=tmp_path / "missing.yaml")
+    assert "not valid YAML" in errors_of(path=write(tmp_path, "a: [1, 2", "bad.yaml"))
+    assert "top level must be a mapping" in errors_of(path=write(tmp_path, "- 1\n- 2\n", "list.yaml"))
+    assert load_config(write(tmp_path, "", "empty.yaml")) == load_config()
+    monkeypatch.setenv("KVGATE_MODELS", "not-json")
+    assert '"models"' in errors_of()
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    "text, value", [("8MiB", 8 << 20), ("256 MB", 256_000_000), ("1gi", 1 << 30), ("42", 42), (7, 7)]
+)
+def test_sizes(text, value):
+    assert parse_size(text) == value
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):
+        cfg.admin_port = 1  # type: ignore[misc]
+    assert isinstance(cfg, KvgateConfig)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_builds_from_config(name):
+    cfg = load_config(policy={"name": name})
+    assert cfg.policy.build().name == name
