@@ -64,7 +64,10 @@ class Decision:
 
     @property
     def destination_header(self) -> str:
-        """Value of x-gateway-destination-endpoint: the node, then fallbacks, comma-separated."""
-        if self.node is None:
-            return ""
-        return ",".join((self.node.address, *self.fallbacks))
+        """Value of x-gateway-destination-endpoint: the chosen node only.
+
+        The Gateway API Inference Extension allows ``ip:port,ip:port``, but Envoy's ORIGINAL_DST
+        cluster parses the header as one address and answers 503 to a list (measured on 1.40),
+        so the fallbacks stay in the decision's explanation and Envoy's retry goes elsewhere.
+        """
+        return "" if self.node is None else self.node.address

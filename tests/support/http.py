@@ -36,7 +36,9 @@ def get_json(url: str) -> tuple[int, Any]:
     return status, json.loads(raw) if raw else None
 
 
-def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.1) -> Any:
+def eventually(
+    check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s: float = 0.1, show: Callable[[], Any] | None = None
+) -> Any:
     """Poll ``check`` until it returns something truthy; fail with its last value or error."""
     deadline = time.monotonic() + timeout_s
     last: Any = None
@@ -48,5 +50,6 @@ def eventually(check: Callable[[], Any], *, timeout_s: float = 10.0, interval_s:
         except Exception as e:  # a server still starting refuses connections
             last = e
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s}s; last: {last!r}")
+            seen = f"; state: {show()!r}" if show is not None else ""
+            raise AssertionError(f"condition not met within {timeout_s}s; last: {last!r}{seen}")
         time.sleep(interval_s)

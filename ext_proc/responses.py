@@ -1,0 +1,22 @@
+"""ext_proc answers that never vary, serialized once: the hot path writes bytes, not messages."""
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from gateway.core import error_body
+
+HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).SerializeToString()
+"""Headers seen, send the body (the decision needs it)."""
+
+HEADERS_CONTINUE_NO_BODY = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE),
+).SerializeToString()
+"""Not an inference request: pass it through untouched and do not send us its body."""
+
+BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
+"""Body seen, no change: Envoy's fallback route balances it (fail open)."""
+
+EMPTY = pb.ProcessingResponse().SerializeToString()
+
+EMPTY_BODY_ERROR = error_body(400, "request body is empty: an inference request needs a JSON body")

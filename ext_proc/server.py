@@ -1,0 +1,153 @@
+"""Envoy External Processor (ext_proc) gRPC service in front of ``RoutingCore``.
+
+One gRPC stream per HTTP request. Envoy sends the request headers, waits for our answer, then
+sends the whole buffered body; we answer the body with the routing headers and
+``clear_route_cache`` so Envoy re-matches the route on ``x-gateway-destination-endpoint``. Envoy
+keeps the stream open until the HTTP exchange ends (measured: the stream's EOF arrives after the
+upstream response completes, or when the client goes away), so the end of the stream is where
+the node's load reservation is released — no response phase is needed, which would cost
+~0.5 ms a request (FACTS.md).
+
+Why the server is written this way (FACTS.md, "The cheapest Python gRPC ext_proc"): the gRPC
+per-stream overhead dominates, so the handler uses ``context.read()/write()`` rather than async
+iterators, writes responses that were serialized once at import time where they do not vary,
+and registers a generic handler with no response serializer (it writes bytes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+from ext_proc import responses
+from gateway import metrics
+from gateway.core import RouteResult, RoutingCore
+from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
+
+log = logging.getLogger("kvgate.ext_proc")
+
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
+    # Envoy ≥1.27 fills raw_value; older ones fill value.
+    return {h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value for h in headers.headers.headers}
+
+
+def routed_response(result: RouteResult) -> bytes:
+    """Body-phase answer: set the routing headers, clear the route cache, fill envoy.lb."""
+    common = pb.CommonResponse(clear_route_cache=True)
+    add = common.header_mutation.set_headers.add
+    for key, value in result.headers:
+        add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    resp = pb.ProcessingResponse(request_body=pb.BodyResponse(response=common))
+    lb = struct_pb2.Struct()
+    lb.update({DESTINATION_HEADER: dict(result.headers)[DESTINATION_HEADER]})
+    resp.dynamic_metadata.fields["envoy.lb"].struct_value.CopyFrom(lb)
+    return resp.SerializeToString()
+
+
+def immediate_response(status: int, body: bytes) -> bytes:
+    """Answer the client directly (a rejected request): the request never reaches a node."""
+    imm = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status), body=body, details="kvgate_rejected")
+    imm.headers.set_headers.add(header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))
+    return pb.ProcessingResponse(immediate_response=imm).SerializeToString()
+
+
+class ExtProcService:
+    """The ``Process`` bidi stream; stateless across streams."""
+
+    def __init__(self, core: RoutingCore) -> None:
+        self.core = core
+
+    async def process(self, _request_iterator, context: grpc.aio.ServicerContext) -> None:
+        result: RouteResult | None = None
+        end = "ok"
+        try:
+            result = await self._exchange(context)
+            # Wait for Envoy to close the stream: that is the end of the HTTP exchange.
+            while await context.read() is not grpc.aio.EOF:
+                await context.write(responses.EMPTY)
+        except asyncio.CancelledError:
+            end = "cancelled"
+            raise
+        except Exception:
+            end = "error"
+            log.exception("ext_proc stream failed")
+        finally:
+            metrics.EXT_PROC_STREAMS.labels(end).inc()
+            if result is not None:
+                # Shielded: the release must happen even when Envoy cancels the stream.
+                await asyncio.shield(self.core.release(result))
+
+    async def _exchange(self, context: grpc.aio.ServicerContext) -> RouteResult | None:
+        msg = await context.read()
+        if msg is grpc.aio.EOF:
+            return None
+        if not msg.HasField("request_headers"):
+            await context.write(responses.EMPTY)
+            return None
+        headers = _header_map(msg.request_headers)
+        path = headers.get(":path", "").split("?", 1)[0]
+        if headers.get(":method") != "POST" or path not in INFERENCE_PATHS:
+            await context.write(responses.HEADERS_CONTINUE_NO_BODY)
+            return None
+        if msg.request_headers.end_of_stream:
+            await context.write(immediate_response(400, responses.EMPTY_BODY_ERROR))
+            metrics.REJECTED.labels("400").inc()
+            return None
+        await context.write(responses.HEADERS_CONTINUE)
+
+        body = bytearray()
+        while True:
+            msg = await context.read()
+            if msg is grpc.aio.EOF:
+                return None
+            if not msg.HasField("request_body"):
+                await context.write(responses.EMPTY)
+                continue
+            body += msg.request_body.body
+            if msg.request_body.end_of_stream:
+                break
+            # Only a STREAMED body arrives in parts; acknowledge each part without changes.
+            await context.write(responses.BODY_CONTINUE)
+
+        result = await self.core.route(path, bytes(body), headers.get("x-request-id", ""))
+        if result.kind == "routed":
+            await context.write(routed_response(result))
+        elif result.kind == "rejected":
+            await context.write(immediate_response(result.status, result.body))
+        else:
+            await context.write(responses.BODY_CONTINUE)
+        return result
+
+
+def build_server(core: RoutingCore, address: str) -> grpc.aio.Server:
+    """A grpc.aio server with the ext_proc service bound to ``address`` (host:port)."""
+    service = ExtProcService(core)
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Process": grpc.stream_stream_rpc_method_handler(
+                service.process, request_deserializer=pb.ProcessingRequest.FromString
+            )
+        },
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
+    server.add_generic_rpc_handlers([handler])
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot bind the ext_proc server to {address}")
+    return server

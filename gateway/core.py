@@ -1,0 +1,191 @@
+"""The request path's one entry point, shared by every Envoy integration (ext_proc today).
+
+``RoutingCore.route`` turns an inference request body into one of three answers:
+- ``routed``: set these headers (the chosen node, pull instructions) — the load is reserved
+  on the node and must be given back with ``release`` when the response ends;
+- ``rejected``: the body is not a valid inference request; answer the client with this HTTP
+  status and JSON error body, and touch no node (same shapes as vLLM's OpenAI server);
+- ``fail_open``: kvgate could not decide (directory down or slow, no live node, an internal
+  error); set no header, so Envoy's fallback route balances by least-request. Counted in
+  ``kvgate_fail_open{reason}``.
+
+What "fail open" promises: an internal problem never turns into a client-visible error. Only
+the client's own mistakes (malformed JSON, a missing prompt, an unknown model, a body or prompt
+over the limits) are rejected, because forwarding them would only fail later on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import msgspec
+
+from directory_client.types import Directory, DirectoryUnavailable, Reservation
+from gateway import metrics
+from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
+from gateway.profile import HardwareProfile
+from gateway.types import Decision, RoutingRequest
+from tokenizer import InvalidPrompt, PromptTokenizer
+from tokenizer.keys import block_keys, namespace_seed
+
+log = logging.getLogger("kvgate.core")
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingLimits:
+    """What the request path accepts; from ``KvgateConfig``."""
+
+    block_size: int = 16
+    max_body_bytes: int = 8 << 20
+    max_prompt_tokens: int = 131072
+    models: frozenset[str] = frozenset()  # empty: accept any model name
+    lookup_timeout_s: float = 0.025
+
+
+@dataclass(slots=True)
+class RouteResult:
+    kind: Literal["routed", "rejected", "fail_open"]
+    headers: tuple[tuple[str, str], ...] = ()
+    status: int = 200
+    body: bytes = b""
+    decision: Decision | None = None
+    reservation: Reservation | None = None
+    reason: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def error_body(status: int, message: str) -> bytes:
+    """vLLM's OpenAI-compatible error shape, so clients see the same error either way."""
+    kind = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError"}.get(status, "BadRequestError")
+    return _json_encode({"object": "error", "message": message, "type": kind, "param": None, "code": status})
+
+
+def _reject(status: int, message: str) -> RouteResult:
+    metrics.REJECTED.labels(str(status)).inc()
+    return RouteResult("rejected", status=status, body=error_body(status, message), reason=message)
+
+
+def _fail_open(reason: str, policy: str) -> RouteResult:
+    metrics.FAIL_OPEN.labels(reason).inc()
+    metrics.DECISIONS.labels(policy, "fail_open").inc()
+    return RouteResult("fail_open", reason=reason)
+
+
+class RoutingCore:
+    """Parse → tokenize → block keys → directory lookup → policy → reservation."""
+
+    def __init__(
+        self,
+        tokenizer: PromptTokenizer,
+        directory: Directory,
+        policy,  # gateway.policy.Policy
+        profile: HardwareProfile,
+        limits: RoutingLimits,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.directory = directory
+        self.policy = policy
+        self.profile = profile
+        self.limits = limits
+
+    async def route(self, path: str, body: bytes, request_id: str = "") -> RouteResult:
+        try:
+            return await self._route(path, body, request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # fail open on anything we did not foresee, and say so
+            log.exception("routing failed; failing open (request_id=%s)", request_id)
+            return _fail_open("internal_error", self.policy.name)
+
+    async def _route(self, path: str, body: bytes, request_id: str) -> RouteResult:
+        lim = self.limits
+        t0 = time.perf_counter()
+        if len(body) > lim.max_body_bytes:
+            return _reject(413, f"request body of {len(body)} bytes exceeds the limit of {lim.max_body_bytes} bytes")
+        try:
+            req = _json_decode(body)
+        except msgspec.DecodeError as e:
+            return _reject(400, f"request body is not valid JSON: {e}")
+        if not isinstance(req, dict):
+            return _reject(400, "request body must be a JSON object")
+        model = req.get("model")
+        if isinstance(model, str) and lim.models and model not in lim.models:
+            return _reject(404, f"The model `{model}` does not exist.")
+        t1 = time.perf_counter()
+        try:
+            prompt = await self.tokenizer.tokenize_body_async(path, req)
+        except InvalidPrompt as e:
+            return _reject(getattr(e, "status", 400), str(e))
+        n_tokens = len(prompt.token_ids)
+        if n_tokens > lim.max_prompt_tokens:
+            return _reject(
+                400,
+                f"This model's maximum context length is {lim.max_prompt_tokens} tokens. "
+                f"However, you requested {n_tokens} tokens in the messages.",
+            )
+        seed = namespace_seed(prompt.model, lora=prompt.lora, cache_salt=prompt.cache_salt)
+        keys = block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
+        t2 = time.perf_counter()
+        try:
+            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
+        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+            metrics.DIRECTORY_ERRORS.labels("lookup").inc()
+            log.warning("directory lookup failed (%s); failing open (request_id=%s)", type(e).__name__, request_id)
+            return _fail_open("directory_unavailable", self.policy.name)
+        t3 = time.perf_counter()
+        request = RoutingRequest(
+            model=prompt.model,
+            prompt_tokens=n_tokens,
+            total_blocks=len(keys),
+            block_size=lim.block_size,
+            request_id=request_id,
+        )
+        decision = self.policy.decide(request, view, self.profile, now=time.monotonic())
+        t4 = time.perf_counter()
+        if decision.node is None:
+            return _fail_open("no_live_node", self.policy.name)
+
+        reservation = None
+        try:
+            reservation = await asyncio.wait_for(
+                self.directory.reserve(decision.node.node_id, n_tokens - decision.expected_cached_tokens),
+                lim.lookup_timeout_s,
+            )
+        except (DirectoryUnavailable, asyncio.TimeoutError):
+            # The decision stands; only the shared load accounting misses this request.
+            metrics.DIRECTORY_ERRORS.labels("reserve").inc()
+
+        headers = [(DESTINATION_HEADER, decision.destination_header)]
+        if decision.pull is not None:
+            headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
+            headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
+        for stage, seconds in timings.items():
+            metrics.DECISION_SECONDS.labels(stage).observe(seconds)
+        metrics.DECISIONS.labels(decision.policy, decision.outcome).inc()
+        metrics.PROMPT_TOKENS.inc(n_tokens)
+        metrics.CACHED_TOKENS.inc(decision.expected_cached_tokens)
+        metrics.INFLIGHT.inc()
+        return RouteResult(
+            "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings
+        )
+
+    async def release(self, result: RouteResult) -> None:
+        """Give back the load a routed request took; called when its response has ended."""
+        if result.kind != "routed":
+            return
+        metrics.INFLIGHT.dec()
+        if result.reservation is None:
+            return
+        try:
+            await self.directory.release(result.reservation)
+        except DirectoryUnavailable:
+            # Reservations expire in the backend, so a lost release heals by itself.
+            metrics.DIRECTORY_ERRORS.labels("release").inc()

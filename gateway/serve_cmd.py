@@ -1,0 +1,126 @@
+"""``kvgate serve``: the ext_proc gRPC service and the admin API in one process.
+
+Start-up order: config → tokenizer → directory → policy → fleet keepers → gRPC + admin servers.
+Shutdown runs in reverse on SIGTERM/SIGINT: stop accepting streams (with a grace period for
+those in flight), then close what they used. Bad config fails here, before any traffic, with a
+message naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from aiohttp import web
+
+from directory_client import open_directory
+from directory_client.types import NodeInfo
+from ext_proc.server import build_server
+from gateway.admin import build_admin_app
+from gateway.config import ConfigError, KvgateConfig, load_config
+from gateway.core import RoutingCore, RoutingLimits
+from gateway.fleet import StaticFleetKeeper
+from gateway.logs import setup_logging
+from gateway.policy import make_policy
+from gateway.profile import load_profile
+from tokenizer import PromptTokenizer
+
+log = logging.getLogger("kvgate.serve")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config file (also KVGATE_CONFIG); env KVGATE_* overrides it")
+    parser.add_argument("--directory", help="directory URL: memory://, redis://host:port/db, redis+cluster://…")
+    parser.add_argument("--policy", help="routing policy name (kvgate, kvgate_nopull, prefix_only, …)")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    if args.directory:
+        out["directory"] = {"url": args.directory}
+    if args.policy:
+        out["policy"] = {"name": args.policy}
+    return out
+
+
+def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
+    return RoutingLimits(
+        block_size=cfg.block_size,
+        max_body_bytes=cfg.limits.max_body_bytes,
+        max_prompt_tokens=cfg.limits.max_prompt_tokens,
+        models=frozenset(cfg.models),
+        lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
+    )
+
+
+def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
+    return [
+        NodeInfo(node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint)
+        for n in cfg.fleet
+    ]
+
+
+async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    tokenizer = PromptTokenizer(
+        cfg.tokenizer.source, chat_template=cfg.tokenizer.chat_template, cache_bytes=cfg.tokenizer.cache_bytes
+    )
+    directory = open_directory(
+        cfg.directory.url,
+        key_prefix=cfg.directory.key_prefix,
+        heartbeat_ttl_s=cfg.directory.heartbeat_ttl_s,
+        index_stride=cfg.directory.index_stride,
+        op_timeout_s=cfg.directory.op_timeout_s,
+    )
+    policy = make_policy(
+        cfg.policy.name,
+        **cfg.policy.options(),
+    )
+    core = RoutingCore(tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg))
+
+    keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
+    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}")
+    admin = web.AppRunner(build_admin_app(directory), access_log=None)
+    try:
+        await keeper.start()
+        await grpc_server.start()
+        await admin.setup()
+        await web.TCPSite(admin, cfg.listen_host, cfg.admin_port).start()
+        log.info(
+            "kvgate serving: ext_proc %s:%d, admin %s:%d, directory %s, policy %s, %d static nodes",
+            cfg.listen_host, cfg.ext_proc_port, cfg.listen_host, cfg.admin_port,
+            cfg.directory.url, cfg.policy.name, len(cfg.fleet),
+        )
+        await stop.wait()
+    finally:
+        log.info("kvgate shutting down")
+        await grpc_server.stop(grace=5)
+        await admin.cleanup()
+        await keeper.aclose()
+        await directory.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, **_overrides(args))
+    except ConfigError as e:
+        print(f"kvgate: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log.level, json_lines=cfg.log.json_lines)
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    asyncio.run(serve(cfg))
+    return 0

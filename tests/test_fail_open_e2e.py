@@ -1,0 +1,86 @@
+"""Fail open, end to end: with kvgate dead or its Redis stopped, requests still succeed through
+Envoy's least-request fallback, and cache routing comes back when the part returns."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+
+import pytest
+
+from tests.conftest import free_port
+from tests.support.http import eventually, get_json, post_json, request
+from tests.support.procs import wait_for_port
+from tests.support.stack import MODEL, Stack, chat, document, keys_of
+from tokenizer import PromptTokenizer
+
+
+def start_private_redis(port: int, tmp) -> subprocess.Popen:
+    """A redis-server of this test's own: the shared one is never stopped."""
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_port(port, proc=proc)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer()
+
+
+def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok) -> None:
+    stack = Stack(tmp_path, envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+    try:
+        history = chat(document("meadow"), "Describe it.")
+        stack.seed("a", keys_of(tok, "/v1/chat/completions", history))
+        status, body = post_json(stack.url("/v1/chat/completions"), history)
+        assert (status, body["node"]) == (200, "a")
+
+        stack.kvgate.kill()  # SIGKILL: no goodbye to Envoy
+        served = []
+        for i in range(9):
+            status, body = post_json(stack.url("/v1/chat/completions"), chat(document("meadow"), f"Question {i}?"))
+            assert status == 200, body
+            assert "x-gateway-destination-endpoint" not in body["headers"]  # fallback route, not kvgate's
+            served.append(body["node"])
+        assert len(set(served)) >= 2  # the fallback balances over the fleet
+    finally:
+        stack.stop()
+
+
+def test_requests_flow_when_redis_stops_and_routing_recovers(tmp_path, envoy_bin, tok) -> None:
+    redis_port = free_port()
+    redis = start_private_redis(redis_port, tmp_path)
+    stack = None
+    try:
+        stack = Stack(tmp_path, envoy_bin, f"redis://127.0.0.1:{redis_port}/0", "kvgate-failopen")
+        history = chat(document("canyon"), "Describe it.")
+        keys = keys_of(tok, "/v1/chat/completions", history)
+        stack.seed("b", keys)
+        status, body = post_json(stack.url("/v1/chat/completions"), history)
+        assert (status, body["node"]) == (200, "b")
+
+        redis.kill()
+        redis.wait()
+        for i in range(6):
+            status, body = post_json(stack.url("/v1/chat/completions"), history)
+            assert status == 200, body
+            assert "x-gateway-destination-endpoint" not in body["headers"]
+        status, ready = get_json(f"http://127.0.0.1:{stack.admin_port}/readyz")
+        assert status == 503 and ready["ready"] is False
+
+        redis = start_private_redis(redis_port, tmp_path)  # comes back empty: nothing persisted
+        eventually(lambda: get_json(f"http://127.0.0.1:{stack.admin_port}/readyz")[1].get("live_nodes") == 3, timeout_s=15)
+        stack.seed("b", keys)  # the bridge would republish; here the test does
+        status, body = post_json(stack.url("/v1/chat/completions"), history)
+        assert (status, body["node"]) == (200, "b")
+        _, _, metrics = request(f"http://127.0.0.1:{stack.admin_port}/metrics")
+        assert b'kvgate_fail_open_total{reason="directory_unavailable"}' in metrics
+    finally:
+        if stack is not None:
+            stack.stop()
+        redis.kill()
+        redis.wait()
