@@ -1,0 +1,309 @@
+"""The simulated engine's HTTP face (aiohttp): vLLM's OpenAI API plus debug endpoints.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /debug/blocks``,
+``POST /debug/reset`` (alias ``POST /reset_prefix_cache``, vLLM's name).
+
+Every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
+``x-kvgate-cached-tokens`` (the prefix hit, also in ``usage.prompt_tokens_details``). A streamed
+answer starts (headers and first chunk) only when the first token is out: the time to the first
+chunk is the time to first token, as with a real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from gateway.profile import HardwareProfile
+from tokenizer import InvalidPrompt, PromptTokenizer, namespace_seed
+from workers.engine.events import EventPublisher
+from workers.engine.kv_cache import CacheBusy, PrefixCache, root_hash
+from workers.engine.metrics import EngineMetrics
+from workers.engine.openai_api import (
+    DEFAULT_MAX_TOKENS,
+    APIError,
+    bad_request,
+    chat_chunk,
+    chat_response,
+    check_model,
+    completion_chunk,
+    completion_response,
+    generation_options,
+    models_list,
+    usage,
+    usage_chunk,
+)
+from workers.engine.runtime import EngineFailed, EngineRuntime, RequestStream
+from workers.engine.sampling import ReplySampler
+from workers.engine.scheduler import Scheduler, SimRequest
+
+NODE_HEADER = "x-kvgate-node"
+CACHED_HEADER = "x-kvgate-cached-tokens"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that makes one simulated node."""
+
+    model: str
+    profile: HardwareProfile
+    node_id: str = "node-0"
+    time_scale: float = 1.0
+    kv_blocks: int | None = None  # None: the profile's capacity
+    max_model_len: int | None = None  # None: the profile's, capped by the KV capacity
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+
+    @property
+    def capacity_blocks(self) -> int:
+        return self.kv_blocks or self.profile.kv_capacity_blocks
+
+    @property
+    def effective_max_model_len(self) -> int:
+        """No request may need more KV than the whole cache holds, or it could never run."""
+        cap = self.capacity_blocks * self.profile.block_size
+        return min(self.max_model_len or self.profile.max_model_len, cap)
+
+
+class Engine:
+    """One simulated node: tokenizer, reply sampler, cache, scheduler, runtime, metrics, events."""
+
+    def __init__(self, config: EngineConfig, tokenizer: PromptTokenizer, events: EventPublisher | None = None) -> None:
+        if config.default_max_tokens < 1:
+            raise ValueError("default max_tokens must be >= 1")
+        self.config = config
+        self.tokenizer = tokenizer
+        self.sampler = ReplySampler.from_encoder(lambda s: tokenizer.encode_text(s, add_special_tokens=False))
+        self.cache = PrefixCache(config.capacity_blocks, config.profile.block_size)
+        self.scheduler = Scheduler(
+            config.profile,
+            self.cache,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+        )
+        self.metrics = EngineMetrics(self.scheduler, config.model)
+        self.events = events
+        self.runtime = EngineRuntime(
+            self.scheduler,
+            time_scale=config.time_scale,
+            metrics=self.metrics,
+            publish=events.publish if events is not None else None,
+        )
+        self.max_model_len = config.effective_max_model_len
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        await self.runtime.start()
+
+    async def close(self) -> None:
+        await self.runtime.close()
+        if self.events is not None:
+            self.events.close()
+
+
+# -- handlers ---------------------------------------------------------------------------------
+
+ENGINE_KEY = web.AppKey("engine", Engine)
+
+
+def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=json.dumps(data).encode(), status=status, content_type="application/json", headers=headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        return _json(e.body(), e.status)
+    except EngineFailed as e:
+        return _json(APIError(500, f"engine failed: {e}", "InternalServerError").body(), 500)
+
+
+async def _read_body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"Invalid JSON body: {e}") from None
+
+
+async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    cfg = engine.config
+    body = await _read_body(request)
+    check_model(body, cfg.model)
+    try:
+        tp = await engine.tokenizer.tokenize_body_async(request.path, body)
+    except InvalidPrompt as e:
+        raise bad_request(str(e)) from None
+    n_prompt = len(tp.token_ids)
+    opts = generation_options(
+        body, chat=chat, prompt_tokens=n_prompt, max_model_len=engine.max_model_len,
+        default_max_tokens=cfg.default_max_tokens,
+    )
+    reply = engine.sampler.reply(tp.token_ids, opts.max_tokens, ignore_eos=opts.ignore_eos, min_tokens=opts.min_tokens)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    sim = SimRequest.create(
+        rid,
+        tp.token_ids,
+        reply,
+        block_size=cfg.profile.block_size,
+        root_hash=root_hash(lora=tp.lora, cache_salt=tp.cache_salt),
+        key_seed=namespace_seed(cfg.model, lora=tp.lora, cache_salt=tp.cache_salt),
+        arrival=time.monotonic(),
+    )
+    stream = engine.runtime.submit(sim)
+    try:
+        if opts.stream:
+            return await _stream(request, engine, stream, chat=chat, include_usage=opts.include_usage)
+        while not stream.finished:
+            await stream.wait_change()
+        text = engine.tokenizer.decode(_reply_ids(sim, sim.generated))
+        use = usage(n_prompt, sim.generated, sim.cached_tokens)
+        shape = chat_response if chat else completion_response
+        return _json(shape(rid, engine.created, cfg.model, text, sim.finish_reason, use), headers=_headers(engine, sim))
+    finally:
+        if not sim.finished:
+            engine.runtime.abort(rid)
+
+
+def _reply_ids(sim: SimRequest, n: int) -> Any:
+    return sim.tokens[sim.num_prompt : sim.num_prompt + n]
+
+
+def _headers(engine: Engine, sim: SimRequest) -> dict[str, str]:
+    return {NODE_HEADER: engine.config.node_id, CACHED_HEADER: str(max(sim.cached_tokens, 0))}
+
+
+def _sse(data: Any) -> bytes:
+    return b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+async def _stream(
+    request: web.Request, engine: Engine, stream: RequestStream, *, chat: bool, include_usage: bool
+) -> web.StreamResponse:
+    sim = stream.request
+    model = engine.config.model
+    created = engine.created
+    rid = sim.request_id
+    while stream.generated == 0 and not stream.finished:
+        await stream.wait_change()  # prefill: nothing is sent before the first token
+    resp = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(engine, sim)}
+    )
+    await resp.prepare(request)
+    if chat:
+        await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage)))
+    sent_text = ""
+    while True:
+        done = stream.finished
+        text = engine.tokenizer.decode(_reply_ids(sim, stream.generated))
+        delta, sent_text = text[len(sent_text) :], text
+        reason = sim.finish_reason if done else None
+        if delta or done:
+            if chat:
+                chunk = chat_chunk(rid, created, model, {"content": delta} if delta else {}, reason, include_usage)
+            else:
+                chunk = completion_chunk(rid, created, model, delta, reason, include_usage)
+            await resp.write(_sse(chunk))
+        if done:
+            break
+        await stream.wait_change()
+    if include_usage:
+        use = usage(sim.num_prompt, sim.generated, sim.cached_tokens)
+        await resp.write(_sse(usage_chunk(rid, created, model, chat=chat, usage_=use)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return _json(models_list(engine.config.model, engine.created, engine.max_model_len))
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if engine.runtime.failure is not None:
+        return _json(APIError(500, f"engine failed: {engine.runtime.failure!r}", "InternalServerError").body(), 500)
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return web.Response(body=engine.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def debug_blocks(request: web.Request) -> web.Response:
+    """Every block the engine holds: its engine hash, kvgate key and medium (parents first)."""
+    engine = request.app[ENGINE_KEY]
+    cache = engine.cache
+    blocks = [
+        {
+            "engine_hash": b.block_hash,
+            "kvgate_key": b.kvgate_key,
+            "parent_engine_hash": b.parent.block_hash if b.parent is not None else None,
+            "depth": b.depth,
+            "ref_count": b.ref_count,
+            "medium": cache.medium,
+        }
+        for b in cache.blocks()
+    ]
+    stats = cache.stats()
+    return _json(
+        {
+            "node_id": engine.config.node_id,
+            "model": engine.config.model,
+            "block_size": cache.block_size,
+            "capacity_blocks": stats.capacity_blocks,
+            "private_blocks": stats.private_blocks,
+            "blocks": blocks,
+        }
+    )
+
+
+async def debug_reset(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        cleared = engine.runtime.reset_cache()
+    except CacheBusy as e:
+        return _json(APIError(409, str(e), "ConflictError").body(), 409)
+    return _json({"cleared_blocks": cleared})
+
+
+def create_app(engine: Engine) -> web.Application:
+    """The aiohttp app; starting it starts the engine loop, cleaning it up stops loop and events."""
+    app = web.Application(middlewares=[_errors], client_max_size=64 << 20)
+    app[ENGINE_KEY] = engine
+
+    async def lifecycle(app: web.Application) -> Any:
+        await engine.start()
+        yield
+        await engine.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/debug/blocks", debug_blocks)
+    app.router.add_post("/debug/reset", debug_reset)
+    app.router.add_post("/reset_prefix_cache", debug_reset)
+    return app
