@@ -168,6 +168,7 @@ class NodeConfig(_Section):
     transfer_endpoint: str = Field("", description="host:port of its KV transfer agent; empty = cannot serve pulls")
     events_endpoint: str = Field("", description="ZMQ PUB endpoint of its KV events (tcp://host:5557)")
     replay_endpoint: str = Field("", description="ZMQ ROUTER endpoint of its KV-event replay")
+    model: str = Field("", description="model name the node serves (keys its KV events); default: first of `models`")
 
     @field_validator("address")
     @classmethod
@@ -322,6 +323,19 @@ class KvgateConfig(BaseSettings):
         if self.ext_proc_port == self.admin_port:
             raise ValueError(f"ext_proc_port and admin_port are both {self.admin_port}")
         return self
+
+    @model_validator(mode="after")
+    def _bridged_nodes_have_a_model(self) -> KvgateConfig:
+        # Block keys are seeded by the model name: events of an unknown model cannot be keyed.
+        for node in self.fleet:
+            if node.events_endpoint and not (node.model or self.models):
+                raise ValueError(
+                    f"fleet node {node.node_id!r} has an events_endpoint but no model: set its `model` or `models`"
+                )
+        return self
+
+    def node_model(self, node: NodeConfig) -> str:
+        return node.model or (self.models[0] if self.models else "")
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:

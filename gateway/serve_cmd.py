@@ -1,6 +1,9 @@
 """``kvgate serve``: the ext_proc gRPC service and the admin API in one process.
 
 Start-up order: config → tokenizer → directory → policy → fleet keepers → gRPC + admin servers.
+Fleet nodes with a KV-event endpoint are followed by an in-process bridge (the embedded default:
+one gateway, ``memory://`` directory, no Redis); the others are probed and kept alive by
+``StaticFleetKeeper``.
 Shutdown runs in reverse on SIGTERM/SIGINT: stop accepting streams (with a grace period for
 those in flight), then close what they used. Bad config fails here, before any traffic, with a
 message naming the field.
@@ -58,9 +61,39 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
 
 
 def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
+    """Nodes without KV events: kvgate itself keeps them registered while they are healthy."""
     return [
-        NodeInfo(node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint)
+        NodeInfo(node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint, model=cfg.node_model(n))
         for n in cfg.fleet
+        if not n.events_endpoint
+    ]
+
+
+def embedded_bridges(cfg: KvgateConfig, directory) -> list:
+    """One in-process KV-event bridge per model among the nodes that publish events."""
+    from workers.bridge import EngineSpec, KVEventBridge
+
+    by_model: dict[str, list[EngineSpec]] = {}
+    for n in cfg.fleet:
+        if n.events_endpoint:
+            by_model.setdefault(cfg.node_model(n), []).append(
+                EngineSpec(
+                    node_id=n.node_id,
+                    address=n.address,
+                    events=n.events_endpoint,
+                    replay=n.replay_endpoint or None,
+                    transfer=n.transfer_endpoint,
+                )
+            )
+    return [
+        KVEventBridge(
+            directory,
+            specs,
+            model=model,
+            block_size=cfg.block_size,
+            heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1),
+        )
+        for model, specs in by_model.items()
     ]
 
 
@@ -88,23 +121,28 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     core = RoutingCore(tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg))
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
+    bridges = embedded_bridges(cfg, directory)
     grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}")
     admin = web.AppRunner(build_admin_app(directory), access_log=None)
     try:
         await keeper.start()
+        for bridge in bridges:
+            await bridge.start()
         await grpc_server.start()
         await admin.setup()
         await web.TCPSite(admin, cfg.listen_host, cfg.admin_port).start()
         log.info(
-            "kvgate serving: ext_proc %s:%d, admin %s:%d, directory %s, policy %s, %d static nodes",
+            "kvgate serving: ext_proc %s:%d, admin %s:%d, directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port, cfg.listen_host, cfg.admin_port,
-            cfg.directory.url, cfg.policy.name, len(cfg.fleet),
+            cfg.directory.url, cfg.policy.name, len(cfg.fleet), len(cfg.fleet) - len(keeper.nodes),
         )
         await stop.wait()
     finally:
         log.info("kvgate shutting down")
         await grpc_server.stop(grace=5)
         await admin.cleanup()
+        for bridge in bridges:
+            await bridge.aclose()
         await keeper.aclose()
         await directory.aclose()
 

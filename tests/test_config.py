@@ -127,9 +127,17 @@ def test_bad_node_address_is_named(address, why):
 def test_good_addresses_and_endpoints_pass():
     cfg = load_config(fleet=[
         {"node_id": "a", "address": "[::1]:8000", "transfer_endpoint": "node-a.fleet.svc:9100",
-         "events_endpoint": "ipc:///tmp/a.sock", "replay_endpoint": "tcp://node-a:5558"},
+         "events_endpoint": "ipc:///tmp/a.sock", "replay_endpoint": "tcp://node-a:5558", "model": "m"},
     ])  # fmt: skip
     assert cfg.fleet[0].address == "[::1]:8000"
+    assert cfg.node_model(cfg.fleet[0]) == "m"
+
+
+def test_a_bridged_node_needs_a_model_to_key_its_events():
+    node = {"node_id": "a", "address": "10.0.0.1:8000", "events_endpoint": "tcp://10.0.0.1:5557"}
+    assert "events_endpoint but no model" in errors_of(fleet=[node])
+    cfg = load_config(fleet=[node], models=["served-model"])
+    assert cfg.node_model(cfg.fleet[0]) == "served-model"
 
 
 def test_bad_endpoints_are_named():
