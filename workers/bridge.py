@@ -1,0 +1,833 @@
+"""The KV-event bridge: engines' ZMQ KV events in, the prefix directory kept in step.
+
+One ``KVEventBridge`` follows any number of engines (one asyncio task each) and is used both by
+``kvgate bridge`` (a sidecar per node, or one per fleet) and inside ``kvgate serve`` for the
+embedded single-gateway default.
+
+What it guarantees (and what it does not):
+
+* **Keys, not engine hashes.** Each ``BlockStored`` is keyed with ``tokenizer.keys.block_keys``
+  over its ``token_ids``, chained from the kvgate key of ``parent_block_hash``; a per-node map
+  engine-hash → key lets ``BlockRemoved`` (hashes only) be applied. A block whose parent hash we
+  never saw (we missed it, or the engine names a parent it never announced) is **dropped and
+  counted**, never keyed from a guess: a wrong key would claim a prefix the node does not hold,
+  a missing one only costs a cache hit. Its descendants are dropped the same way.
+* **Idempotent, coalesced writes.** Changes are folded per key (last state wins) and written every
+  ``flush_interval_s`` or ``flush_max_keys`` changes, whichever comes first.
+* **Gaps are repaired.** Sequence numbers must grow by one. A jump asks the engine's replay socket
+  for everything from the first missing batch. If the replay cannot cover the gap (no replay
+  socket, timeout, or the engine's buffer moved past it) what happened in it is unknowable, so the
+  node is **cleared and rebuilt** from whatever the buffer still holds (blocks chained to older,
+  unseen parents are dropped as above): the directory then under-reports the node until the
+  engine stores those blocks again, and never over-reports it.
+* **Restarts clear the node.** ``AllBlocksCleared``, a sequence number that goes backwards, or a
+  new TCP connection to the engine's PUB socket (the engine died, restarted or the link broke:
+  events may have been lost unannounced) clear the node, then the bridge replays from seq 0 to
+  rebuild it.
+* **Liveness follows the engine.** The node is registered and heartbeated only while the bridge
+  holds a live ZMQ connection to its publisher (a ZMQ socket monitor sees the TCP connection drop
+  at once on ``kill -9``); without heartbeats its entries stop being returned after the
+  directory's TTL. A hung engine that keeps its socket open is not detected.
+* **A directory outage never stops the bridge.** Events keep being applied to the in-memory map;
+  after any ``DirectoryUnavailable`` the next successful flush re-registers the node and rewrites
+  its entries from the map (clear, then store all), so nothing is lost but freshness during the
+  outage.
+* **Bounded memory.** The map holds one entry per block the engine currently caches (every store
+  is matched by a removal), so it is bounded by the engine's capacity; ``max_blocks_per_node``
+  (default 8× the declared capacity, or 4M) guards against an engine that never sends removals:
+  past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
+* **Untrusted input.** A batch that does not decode is logged, counted
+  (``kvgate_bridge_malformed_batches_total``) and skipped; its sequence number is consumed. Bad
+  events inside a good batch are dropped one by one (``kvgate_bridge_rejected_events_total``).
+
+Not handled: ``cache_salt`` (vLLM carries it inside ``extra_keys``; salted blocks are keyed as
+unsalted), the deprecated ``lora_id`` (only ``lora_name`` changes the key seed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+from prometheus_client import Counter, Gauge
+from zmq.utils.monitor import parse_monitor_message
+
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, Tier, UnknownNode
+from directory_client.validate import check_node_id
+from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from workers.kv_events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventDecodeError,
+    decode_batch,
+    decode_seq,
+    encode_seq,
+)
+
+log = logging.getLogger(__name__)
+
+# ---------------------------------------------------------------------------------------------
+# metrics (module level: several bridges in one process share them, told apart by `node`)
+
+BATCHES = Counter("kvgate_bridge_batches_total", "KV-event batches applied", ["node"])
+MALFORMED = Counter("kvgate_bridge_malformed_batches_total", "KV-event batches that did not decode", ["node"])
+REJECTED_EVENTS = Counter(
+    "kvgate_bridge_rejected_events_total", "malformed or unknown events dropped from good batches", ["node"]
+)
+DROPPED_BLOCKS = Counter(
+    "kvgate_bridge_dropped_blocks_total",
+    "stored blocks not recorded (reason: unknown_parent, block_size, token_count)",
+    ["node", "reason"],
+)
+GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
+RESETS = Counter("kvgate_bridge_node_resets_total", "node cleared and rebuilt, by reason", ["node", "reason"])
+DIRECTORY_ERRORS = Counter("kvgate_bridge_directory_errors_total", "directory calls that failed", ["node"])
+TRACKED_BLOCKS = Gauge("kvgate_bridge_tracked_blocks", "engine blocks the bridge maps to keys", ["node"])
+
+_TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
+
+
+# ---------------------------------------------------------------------------------------------
+# configuration
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """One engine the bridge follows, and how the node is announced in the directory."""
+
+    node_id: str
+    address: str  # "ip:port" of its OpenAI-compatible server (what Envoy routes to)
+    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557"
+    replay: str | None = None  # ZMQ ROUTER replay endpoint; None = gaps cannot be repaired
+    transfer: str = ""  # "ip:port" of its KV transfer agent
+    capacity: int = 0  # KV cache size in blocks (0 = unknown)
+    topic: str = ""  # ZMQ topic prefix to subscribe to ("" = all)
+
+    def node_info(self, model: str) -> NodeInfo:
+        return NodeInfo(
+            node_id=self.node_id,
+            address=self.address,
+            transfer_endpoint=self.transfer,
+            capacity_blocks=self.capacity,
+            model=model,
+        )
+
+
+_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic"}
+
+
+def parse_engine_spec(text: str) -> EngineSpec:
+    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557[,replay=…][,transfer=…][,capacity=N][,topic=…]``."""
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or not value.strip():
+            raise ValueError(f"engine spec item {part!r} is not name=value")
+        if name not in _SPEC_KEYS:
+            raise ValueError(f"unknown engine spec key {name!r} (known: {', '.join(sorted(_SPEC_KEYS))})")
+        if name in values:
+            raise ValueError(f"engine spec key {name!r} given twice")
+        values[name] = value.strip()
+    missing = [k for k in ("node_id", "address", "events") if k not in values]
+    if missing:
+        raise ValueError(f"engine spec {text!r} lacks {', '.join(missing)}")
+    check_node_id(values["node_id"])
+    capacity = 0
+    if "capacity" in values:
+        try:
+            capacity = int(values["capacity"])
+        except ValueError:
+            raise ValueError(f"engine capacity {values['capacity']!r} is not an integer") from None
+        if capacity < 0:
+            raise ValueError("engine capacity must not be negative")
+    return EngineSpec(
+        node_id=values["node_id"],
+        address=values["address"],
+        events=values["events"],
+        replay=values.get("replay"),
+        transfer=values.get("transfer", ""),
+        capacity=capacity,
+        topic=values.get("topic", ""),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-node map (pure: no I/O, no clock)
+
+
+class BlockMapOverflow(Exception):
+    """More blocks than ``max_blocks``: the engine is not announcing its evictions."""
+
+
+class _Held:
+    """One engine block: its kvgate key and a bitmask of the tiers (``1 << Tier``) holding it."""
+
+    __slots__ = ("key", "tiers")
+
+    def __init__(self, key: BlockKey) -> None:
+        self.key = key
+        self.tiers = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierChange:
+    """One key's directory update: the tiers to record it in, and the tiers to drop it from."""
+
+    key: BlockKey
+    stored: tuple[Tier, ...]
+    removed: tuple[Tier, ...]
+
+
+class NodeBlockMap:
+    """Engine hash → kvgate key for one node, and the directory changes events imply.
+
+    Engine hashes are namespaced by ``group_idx`` (hybrid models hash per KV-cache group). Several
+    engine blocks can share one key (the same tokens under different engine-side salts or groups),
+    and one engine block can sit on several tiers (GPU and its CPU offload copy), so each key
+    counts its holders per tier and the directory is told about a tier only when its first holder
+    arrives or its last one leaves: removing one holder never deletes a key another still holds.
+
+    Changes are folded per key: ``take_changes`` compares each touched key's tiers now with its
+    tiers at the previous ``take_changes`` (or none, after a ``reset``) and returns only the
+    difference, so a block stored and evicted between two flushes costs no directory write.
+    """
+
+    def __init__(self, *, model: str, block_size: int, max_blocks: int) -> None:
+        self._model = model
+        self._block_size = block_size
+        self._max_blocks = max_blocks
+        self._by_hash: dict[int, _Held] = {}
+        self._holders: dict[BlockKey, list[int]] = {}  # key -> holder count per tier
+        self._seeds: dict[str | None, int] = {}
+        self._touched: dict[BlockKey, int] = {}  # key -> its tier mask at the last take_changes
+        self.cleared = False  # the directory must clear the node before the next changes
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    @property
+    def key_count(self) -> int:
+        return len(self._holders)
+
+    @property
+    def pending(self) -> int:
+        """Keys touched since the last ``take_changes`` (an upper bound on the writes due)."""
+        return len(self._touched)
+
+    def reset(self) -> None:
+        """Forget everything; the directory must clear the node before later changes."""
+        self._by_hash.clear()
+        self._holders.clear()
+        self._touched.clear()
+        self.cleared = True
+
+    def take_changes(self) -> tuple[bool, list[TierChange]]:
+        """``(clear the node first?, per-key tier changes)`` since the previous call."""
+        out: list[TierChange] = []
+        for key, before in self._touched.items():
+            after = _mask(self._holders.get(key))
+            if after != before:
+                out.append(
+                    TierChange(
+                        key,
+                        tuple(t for t in _TIERS if after & ~before & (1 << t)),
+                        tuple(t for t in _TIERS if before & ~after & (1 << t)),
+                    )
+                )
+        cleared = self.cleared
+        self._touched = {}
+        self.cleared = False
+        return cleared, out
+
+    def snapshot(self) -> dict[Tier, list[BlockKey]]:
+        """Every key held, per tier (for rewriting the node from scratch)."""
+        out: dict[Tier, list[BlockKey]] = {}
+        for key, counts in self._holders.items():
+            for tier in _TIERS:
+                if counts[tier]:
+                    out.setdefault(tier, []).append(key)
+        return out
+
+    def key_of(self, engine_hash: int, group_idx: int | None = None) -> BlockKey | None:
+        held = self._by_hash.get(_slot(engine_hash, group_idx))
+        return None if held is None else held.key
+
+    def apply(self, event: KVEvent) -> tuple[str, int] | None:
+        """Apply one event; returns ``(reason, blocks)`` when stored blocks had to be dropped.
+
+        ``AllBlocksCleared`` resets the map. Raises ``BlockMapOverflow`` past ``max_blocks``.
+        """
+        if isinstance(event, BlockStored):
+            return self._stored(event)
+        if isinstance(event, BlockRemoved):
+            self._removed(event)
+            return None
+        self.reset()
+        return None
+
+    def _seed(self, lora_name: str | None) -> int:
+        seed = self._seeds.get(lora_name)
+        if seed is None:
+            seed = self._seeds[lora_name] = namespace_seed(self._model, lora=lora_name)
+        return seed
+
+    def _stored(self, ev: BlockStored) -> tuple[str, int] | None:
+        n = len(ev.block_hashes)
+        if ev.block_size != self._block_size:
+            return ("block_size", n)
+        if len(ev.token_ids) != n * self._block_size:
+            return ("token_count", n)
+        parent_key: int | None = None
+        if ev.parent_block_hash is not None:
+            parent = self._by_hash.get(_slot(ev.parent_block_hash, ev.group_idx))
+            if parent is None:
+                return ("unknown_parent", n)
+            parent_key = parent.key
+        keys = block_keys(ev.token_ids, block_size=self._block_size, seed=self._seed(ev.lora_name), parent=parent_key)
+        tier = Tier.from_medium(ev.medium)
+        bit = 1 << tier
+        for engine_hash, key in zip(ev.block_hashes, keys):
+            slot = _slot(engine_hash, ev.group_idx)
+            held = self._by_hash.get(slot)
+            if held is not None and held.key != key:
+                self._forget(slot, held)  # same engine hash, other tokens: the engine reused it
+                held = None
+            if held is None:
+                if len(self._by_hash) >= self._max_blocks:
+                    raise BlockMapOverflow(f"more than {self._max_blocks} blocks tracked")
+                held = self._by_hash[slot] = _Held(key)
+            if not held.tiers & bit:
+                held.tiers |= bit
+                self._count(key, tier, +1)
+        return None
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        tier = Tier.from_medium(ev.medium)
+        bit = 1 << tier
+        for engine_hash in ev.block_hashes:
+            slot = _slot(engine_hash, ev.group_idx)
+            held = self._by_hash.get(slot)
+            if held is None or not held.tiers & bit:
+                continue  # never announced to us (or already gone): nothing to undo
+            held.tiers &= ~bit
+            self._count(held.key, tier, -1)
+            if not held.tiers:
+                del self._by_hash[slot]
+
+    def _forget(self, slot: int, held: _Held) -> None:
+        for tier in _TIERS:
+            if held.tiers & (1 << tier):
+                self._count(held.key, tier, -1)
+        del self._by_hash[slot]
+
+    def _count(self, key: BlockKey, tier: Tier, delta: int) -> None:
+        counts = self._holders.get(key)
+        if counts is None:
+            counts = self._holders[key] = [0, 0, 0]
+        if key not in self._touched:
+            self._touched[key] = _mask(counts)
+        counts[tier] += delta
+        if not any(counts):
+            del self._holders[key]
+
+
+def _slot(engine_hash: int, group_idx: int | None) -> int:
+    return engine_hash | ((group_idx or 0) << 64)
+
+
+def _mask(counts: list[int] | None) -> int:
+    if counts is None:
+        return 0
+    return (counts[0] > 0) | (counts[1] > 0) << 1 | (counts[2] > 0) << 2
+
+
+# ---------------------------------------------------------------------------------------------
+# the bridge
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStats:
+    """What the bridge knows of one engine right now (for tests, the admin API and logs)."""
+
+    node_id: str
+    connected: bool
+    registered: bool
+    next_seq: int | None  # sequence number expected next (None: not in step yet)
+    tracked_blocks: int
+    tracked_keys: int
+    batches: int
+    malformed_batches: int
+    rejected_events: int
+    dropped_blocks: int
+    gaps_repaired: int
+    gaps_unrecoverable: int
+    resets: int
+    directory_errors: int
+
+
+@dataclass(eq=False)
+class _Stream:
+    """Mutable state of one followed engine."""
+
+    spec: EngineSpec
+    info: NodeInfo
+    blocks: NodeBlockMap
+    expected: int | None = None  # next sequence number to apply; None = not in step
+    last_live: int | None = None  # last live seq on the current connection
+    connected: bool = False
+    registered: bool = False
+    rewrite_all: bool = False  # the directory may have lost our writes: rewrite from `blocks`
+    directory_down: bool = False  # for logging the outage once, not per failed call
+    dirty: asyncio.Event = field(default_factory=asyncio.Event)
+    liveness_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    consumer: asyncio.Task[None] | None = None
+    flusher: asyncio.Task[None] | None = None
+    heartbeat: asyncio.Task[None] | None = None
+    batches: int = 0
+    malformed: int = 0
+    rejected: int = 0
+    dropped: int = 0
+    gaps_repaired: int = 0
+    gaps_unrecoverable: int = 0
+    resets: int = 0
+    directory_errors: int = 0
+
+
+class KVEventBridge:
+    """Follow engines' KV events and mirror their caches into ``directory`` (see module doc)."""
+
+    _WRITE_CHUNK = 4096  # keys per directory call when rewriting a node
+
+    def __init__(
+        self,
+        directory: Directory,
+        engines: Sequence[EngineSpec],
+        *,
+        model: str,
+        block_size: int = 16,
+        heartbeat_interval_s: float = 1.0,
+        flush_interval_s: float = 0.01,
+        flush_max_keys: int = 2048,
+        replay_timeout_s: float = 2.0,
+        max_blocks_per_node: int | None = None,
+    ) -> None:
+        for spec in engines:
+            check_node_id(spec.node_id)
+        ids = [e.node_id for e in engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"engine node_ids must be unique: {ids}")
+        if block_size <= 0:
+            raise ValueError("block_size must be positive")
+        self._directory = directory
+        self._model = model
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._flush_interval_s = flush_interval_s
+        self._flush_max_keys = flush_max_keys
+        self._replay_timeout_s = replay_timeout_s
+        self._streams: dict[str, _Stream] = {}
+        for spec in engines:
+            cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
+            blocks = NodeBlockMap(model=model, block_size=block_size, max_blocks=cap)
+            self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to every engine; returns at once (connections and registration follow)."""
+        if self._ctx is not None:
+            raise RuntimeError("bridge already started")
+        self._ctx = zmq.asyncio.Context()
+        for st in self._streams.values():
+            node = st.spec.node_id
+            st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
+            st.flusher = asyncio.create_task(self._flush_loop(st), name=f"kv-bridge-flush-{node}")
+            st.heartbeat = asyncio.create_task(self._heartbeat_loop(st), name=f"kv-bridge-heartbeat-{node}")
+
+    async def aclose(self, *, deregister: bool = True, timeout_s: float = 2.0) -> None:
+        """Stop consuming, write what is pending, deregister the nodes (if asked), close sockets.
+
+        The directory is not closed: whoever opened it closes it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctx is None:
+            return  # never started: nothing was registered or written
+        # stop taking events and heartbeating first, then write what is left, then leave
+        first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat) if t is not None]
+        for task in first:
+            task.cancel()
+        await _settle(first)
+        for st in self._streams.values():
+            if st.flusher is not None:
+                st.flusher.cancel()
+                await _settle([st.flusher])
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._flush_once(st)
+                    if deregister:
+                        await self._directory.deregister_node(st.spec.node_id)
+            except Exception as exc:  # closing must finish; the TTL retires what we could not
+                log.warning("node %s: final flush/deregister failed: %r", st.spec.node_id, exc)
+            with contextlib.suppress(KeyError):
+                TRACKED_BLOCKS.remove(st.spec.node_id)
+        self._ctx.destroy(linger=0)
+
+    async def __aenter__(self) -> KVEventBridge:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- inspection -------------------------------------------------------------------------
+
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self._streams)
+
+    def stats(self, node_id: str) -> NodeStats:
+        st = self._streams[node_id]
+        return NodeStats(
+            node_id=node_id,
+            connected=st.connected,
+            registered=st.registered,
+            next_seq=st.expected,
+            tracked_blocks=len(st.blocks),
+            tracked_keys=st.blocks.key_count,
+            batches=st.batches,
+            malformed_batches=st.malformed,
+            rejected_events=st.rejected,
+            dropped_blocks=st.dropped,
+            gaps_repaired=st.gaps_repaired,
+            gaps_unrecoverable=st.gaps_unrecoverable,
+            resets=st.resets,
+            directory_errors=st.directory_errors,
+        )
+
+    # -- event path -------------------------------------------------------------------------
+
+    async def _consume(self, st: _Stream) -> None:
+        assert self._ctx is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(st.spec.events)
+        poller = zmq.asyncio.Poller()
+        poller.register(monitor, zmq.POLLIN)
+        poller.register(sub, zmq.POLLIN)
+        try:
+            while True:
+                ready = dict(await poller.poll())
+                # connection changes first: they decide how the next message is read
+                if monitor in ready:
+                    await self._on_monitor(st, parse_monitor_message(await monitor.recv_multipart()))
+                    if not st.connected:
+                        await _discard_queued(sub)  # from the lost connection; we resync on reconnect
+                    continue
+                if sub in ready:
+                    frames = await sub.recv_multipart()
+                    try:
+                        await self._on_message(st, frames)
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # a bug must not stop the node's event stream
+                        log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
+                        self._count_malformed(st)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
+        if event["event"] == zmq.EVENT_CONNECTED:
+            log.info("node %s: connected to %s", st.spec.node_id, st.spec.events)
+            st.connected = True
+            st.liveness_changed.set()
+            # events may have been lost while we were not connected: start over from the engine
+            self._reset(st, "connect")
+            st.last_live = None
+            await self._catch_up(st)
+        elif event["event"] == zmq.EVENT_DISCONNECTED:
+            log.warning("node %s: lost %s; heartbeats stop", st.spec.node_id, st.spec.events)
+            st.connected = False
+            st.registered = False
+            st.expected = None
+            st.liveness_changed.set()
+
+    async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
+        if not st.connected:
+            return  # a reconnect resyncs the node from the engine's replay buffer anyway
+        if len(frames) != 3:
+            log.warning("node %s: message of %d frames, expected 3", st.spec.node_id, len(frames))
+            self._count_malformed(st)
+            return
+        try:
+            seq = decode_seq(frames[1])
+        except KVEventDecodeError as exc:
+            log.warning("node %s: %s", st.spec.node_id, exc)
+            self._count_malformed(st)
+            return
+        if st.last_live is not None and seq <= st.last_live:
+            # within one connection a publisher's sequence only grows: this one started over
+            self._reset(st, "seq_reset")
+        st.last_live = seq
+        if st.expected is None:
+            if seq > 0:
+                await self._catch_up(st, live_seq=seq)
+            else:
+                st.expected = 0
+        elif seq > st.expected:
+            await self._repair_gap(st, seq)
+        if seq == st.expected:
+            self._apply(st, seq, frames[2])
+            st.expected = seq + 1
+        # seq < expected: a replay already delivered it
+
+    async def _catch_up(self, st: _Stream, live_seq: int | None = None) -> None:
+        """The node was just reset: rebuild it from everything the engine's buffer holds."""
+        batches = await self._fetch_replay(st, 0)
+        if batches is None:
+            st.expected = live_seq  # no history to be had: follow live events from here
+            return
+        for seq, payload in batches:
+            self._apply(st, seq, payload)
+        if batches:
+            st.expected = batches[-1][0] + 1
+            if batches[0][0] > 0:
+                log.info("node %s: engine history starts at seq %d; older blocks unknown", st.spec.node_id, batches[0][0])
+        else:
+            st.expected = 0 if live_seq is None else live_seq
+
+    async def _repair_gap(self, st: _Stream, live_seq: int) -> None:
+        assert st.expected is not None
+        start = st.expected
+        log.info("node %s: gap, expected seq %d, got %d; replaying", st.spec.node_id, start, live_seq)
+        batches = await self._fetch_replay(st, start)
+        if batches and batches[0][0] == start:
+            GAPS.labels(st.spec.node_id, "repaired").inc()
+            st.gaps_repaired += 1
+            for seq, payload in batches:
+                if seq == st.expected:
+                    self._apply(st, seq, payload)
+                    st.expected = seq + 1
+            if st.expected >= live_seq:
+                return
+        # the missed batches are gone for good: clear the node, rebuild from what is left
+        log.warning("node %s: gap from seq %d cannot be replayed; clearing the node", st.spec.node_id, start)
+        GAPS.labels(st.spec.node_id, "unrecoverable").inc()
+        st.gaps_unrecoverable += 1
+        self._reset(st, "gap")
+        remaining = [(s, p) for s, p in batches or () if s >= start]
+        if remaining and remaining[-1][0] >= live_seq - 1:
+            # the buffer's tail reaches the live stream without a hole: rebuild from it
+            for seq, payload in remaining:
+                self._apply(st, seq, payload)
+            st.expected = remaining[-1][0] + 1
+        else:
+            st.expected = live_seq  # a hole before live_seq could hide removals: start clean here
+
+    async def _fetch_replay(self, st: _Stream, start: int) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch from ``start`` on, or None if the replay socket did not answer.
+
+        A fresh DEALER per request: a late answer to a timed-out request can never be mistaken
+        for the answer to the next one.
+        """
+        if not st.spec.replay or self._ctx is None:
+            return None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self._replay_timeout_s
+        try:
+            sock.connect(st.spec.replay)
+            await sock.send_multipart((b"", encode_seq(start)))
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(left * 1000):
+                    log.warning("node %s: replay from seq %d timed out", st.spec.node_id, start)
+                    return None
+                frames = await sock.recv_multipart()
+                if len(frames) not in (2, 3):
+                    log.warning("node %s: replay answer of %d frames", st.spec.node_id, len(frames))
+                    return None
+                try:
+                    seq = decode_seq(frames[-2])
+                except KVEventDecodeError as exc:
+                    log.warning("node %s: replay answer: %s", st.spec.node_id, exc)
+                    return None
+                if seq == END_SEQ:
+                    return out
+                if out and seq != out[-1][0] + 1:
+                    log.warning("node %s: replay skipped from seq %d to %d", st.spec.node_id, out[-1][0], seq)
+                    return out
+                out.append((seq, frames[-1]))
+        finally:
+            sock.close(linger=0)
+
+    def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        node = st.spec.node_id
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            log.warning("node %s: skipping malformed batch seq %d: %s", node, seq, exc)
+            self._count_malformed(st)
+            return
+        if batch.rejected:
+            log.warning("node %s: batch seq %d: dropped %s", node, seq, "; ".join(batch.rejected[:5]))
+            REJECTED_EVENTS.labels(node).inc(len(batch.rejected))
+            st.rejected += len(batch.rejected)
+        for event in batch.events:
+            if isinstance(event, AllBlocksCleared):
+                self._reset(st, "all_blocks_cleared")
+                continue
+            try:
+                dropped = st.blocks.apply(event)
+            except BlockMapOverflow as exc:
+                log.error("node %s: %s; clearing the node", node, exc)
+                self._reset(st, "overflow")
+                continue
+            if dropped is not None:
+                reason, count = dropped
+                DROPPED_BLOCKS.labels(node, reason).inc(count)
+                st.dropped += count
+        BATCHES.labels(node).inc()
+        st.batches += 1
+        TRACKED_BLOCKS.labels(node).set(len(st.blocks))
+        if st.blocks.pending or st.blocks.cleared:
+            st.dirty.set()
+
+    def _reset(self, st: _Stream, reason: str) -> None:
+        RESETS.labels(st.spec.node_id, reason).inc()
+        st.resets += 1
+        st.blocks.reset()
+        st.expected = None
+        st.dirty.set()
+
+    def _count_malformed(self, st: _Stream) -> None:
+        MALFORMED.labels(st.spec.node_id).inc()
+        st.malformed += 1
+
+    # -- directory path ---------------------------------------------------------------------
+
+    async def _flush_loop(self, st: _Stream) -> None:
+        backoff = 0.1
+        while True:
+            await st.dirty.wait()
+            if st.blocks.pending < self._flush_max_keys:
+                await asyncio.sleep(self._flush_interval_s)  # let a burst coalesce
+            st.dirty.clear()
+            try:
+                await self._flush_once(st)
+                backoff = 0.1
+                if st.directory_down:
+                    st.directory_down = False
+                    log.info("node %s: directory reachable again", st.spec.node_id)
+            except Exception as exc:  # DirectoryUnavailable, or a bug / refusal: never stop flushing
+                if not isinstance(exc, DirectoryUnavailable):
+                    log.exception("node %s: directory write failed", st.spec.node_id)
+                self._directory_failed(st, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                st.dirty.set()
+
+    async def _flush_once(self, st: _Stream) -> None:
+        node = st.spec.node_id
+        if st.rewrite_all:
+            st.blocks.take_changes()  # the snapshot below supersedes them
+            snapshot = st.blocks.snapshot()
+            await self._directory.clear_node(node)
+            for tier, keys in snapshot.items():
+                for i in range(0, len(keys), self._WRITE_CHUNK):
+                    await self._directory.record_stored(node, keys[i : i + self._WRITE_CHUNK], tier)
+            st.rewrite_all = False
+            log.info("node %s: directory entries rewritten (%d keys)", node, st.blocks.key_count)
+            return
+        cleared, changes = st.blocks.take_changes()
+        if not cleared and not changes:
+            return
+        removed: dict[Tier, list[BlockKey]] = {}
+        stored: dict[Tier, list[BlockKey]] = {}
+        for change in changes:
+            for tier in change.removed:
+                removed.setdefault(tier, []).append(change.key)
+            for tier in change.stored:
+                stored.setdefault(tier, []).append(change.key)
+        try:
+            if cleared:
+                await self._directory.clear_node(node)
+            for tier, keys in removed.items():
+                await self._directory.record_removed(node, keys, tier)
+            for tier, keys in stored.items():
+                await self._directory.record_stored(node, keys, tier)
+        except BaseException:
+            st.rewrite_all = True  # part of this batch may be lost: rewrite the node when back
+            raise
+
+    def _directory_failed(self, st: _Stream, exc: Exception) -> None:
+        DIRECTORY_ERRORS.labels(st.spec.node_id).inc()
+        st.directory_errors += 1
+        if not st.directory_down:
+            st.directory_down = True
+            log.warning("node %s: directory unavailable (%s); will rewrite the node when it is back", st.spec.node_id, exc)
+        st.rewrite_all = True
+        st.registered = False
+        st.blocks.take_changes()
+
+    async def _heartbeat_loop(self, st: _Stream) -> None:
+        while True:
+            if st.connected:
+                try:
+                    if st.registered:
+                        try:
+                            await self._directory.heartbeat(st.spec.node_id)
+                        except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
+                            st.registered = False
+                            st.rewrite_all = True
+                            st.dirty.set()
+                    if not st.registered:
+                        await self._directory.register_node(st.info)
+                        st.registered = True
+                except Exception as exc:
+                    if not isinstance(exc, DirectoryUnavailable):
+                        log.exception("node %s: registration failed", st.spec.node_id)
+                    self._directory_failed(st, exc)
+                    st.dirty.set()
+            st.liveness_changed.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._heartbeat_interval_s):
+                    await st.liveness_changed.wait()
+
+
+async def _settle(tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Wait for cancelled tasks to finish, keeping their errors out of the caller's way."""
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+
+
+async def _discard_queued(sock: zmq.asyncio.Socket) -> None:
+    while True:
+        try:
+            await sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return

@@ -1,0 +1,107 @@
+"""``kvgate bridge``: follow engines' KV events and keep the directory in step (see workers.bridge).
+
+Runs as a sidecar beside one engine or as one process for several. Exits 0 after SIGTERM/SIGINT
+once pending writes are flushed and its nodes deregistered; 2 on bad arguments or a directory
+whose settings contradict ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from directory_client import open_directory
+from directory_client.types import DirectoryUnavailable
+from workers.bridge import EngineSpec, KVEventBridge, parse_engine_spec
+
+log = logging.getLogger("kvgate.bridge")
+
+
+def _engine(text: str) -> EngineSpec:
+    try:
+        return parse_engine_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--directory", default="redis://127.0.0.1:6379/0", help="directory URL (redis://…, redis+cluster://…)")
+    parser.add_argument("--key-prefix", default="kvgate", help="key prefix of the directory in Redis")
+    parser.add_argument("--index-stride", type=int, default=None, help="directory index stride (must match the gateway's)")
+    parser.add_argument("--model", required=True, help="served model name: seeds the block keys (must match the gateway's)")
+    parser.add_argument("--block-size", type=int, default=16, help="engine block size in tokens")
+    parser.add_argument("--heartbeat-ttl", type=float, default=10.0, help="seconds a node stays live without a heartbeat")
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=None, help="seconds between heartbeats (default: a third of the TTL)"
+    )
+    parser.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer")
+    parser.add_argument(
+        "--engine",
+        type=_engine,
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="node_id=n1,address=IP:PORT,events=tcp://IP:PORT[,replay=tcp://IP:PORT][,transfer=IP:PORT]"
+        "[,capacity=BLOCKS][,topic=PREFIX]; repeat for each engine",
+    )
+    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
+    parser.add_argument("--metrics-host", default="127.0.0.1")
+    parser.add_argument("--log-level", default="INFO")
+
+
+async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = None) -> int:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ttl = args.heartbeat_ttl
+    interval = args.heartbeat_interval if args.heartbeat_interval is not None else ttl / 3
+    if not 0 < interval < ttl:
+        log.error("--heartbeat-interval must be positive and below --heartbeat-ttl")
+        return 2
+    try:
+        directory = open_directory(
+            args.directory, key_prefix=args.key_prefix, heartbeat_ttl_s=ttl, index_stride=args.index_stride
+        )
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
+    try:
+        try:
+            await directory.live_nodes()  # first use checks that our settings match the directory's
+        except DirectoryUnavailable as exc:
+            log.warning("directory unavailable at start (%s); will keep trying", exc)
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
+        bridge = KVEventBridge(
+            directory,
+            args.engine,
+            model=args.model,
+            block_size=args.block_size,
+            heartbeat_interval_s=interval,
+            replay_timeout_s=args.replay_timeout,
+        )
+        await bridge.start()
+        log.info(
+            "following %d engine(s): %s", len(args.engine), ", ".join(f"{e.node_id}@{e.events}" for e in args.engine)
+        )
+        try:
+            await stop.wait()
+        finally:
+            log.info("stopping: flushing and deregistering")
+            await bridge.aclose(deregister=True)
+    finally:
+        await directory.aclose()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+    return asyncio.run(bridge_main(args))
