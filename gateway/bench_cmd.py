@@ -1,10 +1,12 @@
 """``kvgate bench overhead``: what kvgate costs per request, measured beside its baselines.
 
 In one run, on the same requests (multi-turn chats with ~8k-token histories, tokenization warm):
-(a) ``direct`` — straight to an upstream; (b) ``envoy`` — through Envoy without ext_proc;
-(c) ``kvgate`` — through Envoy + ``kvgate serve``. Latency is measured at concurrency 1 (the
-added latency per request), requests/s at ``--concurrency``; kvgate's CPU per request is read
-from ``/proc`` (user + system time of the serve process over the measured requests).
+``direct`` — straight to an upstream; ``envoy`` — through Envoy without kvgate;
+``kvgate_ext_proc`` — through Envoy + ``kvgate serve`` over ext_proc (gRPC; also reported as
+``kvgate``); ``kvgate_ext_authz`` — the same decision over Envoy's ext_authz (HTTP). Latency is
+measured at concurrency 1 (the added latency per request), requests/s at ``--concurrency``;
+kvgate's CPU per request is read from ``/proc`` (user + system time of the serve process over
+that integration's measured requests). Envoy's own CPU per request is reported beside it.
 
 The upstream is a null server (fixed reply) so that only the routing path is measured.
 """
@@ -143,13 +145,14 @@ async def _measure(url: str, bodies: Sequence[bytes], n: int, warmup: int, concu
 
 async def overhead(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
-    up_port, ep_port, admin_port = _free_port(), _free_port(), _free_port()
-    plain_port, kv_port = _free_port(), _free_port()
+    up_port, ep_port, authz_port, admin_port = _free_port(), _free_port(), _free_port(), _free_port()
+    listen = {"envoy": _free_port(), "kvgate_ext_proc": _free_port(), "kvgate_ext_authz": _free_port()}
     upstream = await _null_upstream(up_port)
     node = f"127.0.0.1:{up_port}"
     cfg = {
         "listen_host": "127.0.0.1",
         "ext_proc_port": ep_port,
+        "ext_authz_port": authz_port,
         "admin_port": admin_port,
         "models": [MODEL],
         "directory": {"url": args.directory, "key_prefix": f"kvgate-bench-{os.getpid()}"},
@@ -165,35 +168,43 @@ async def overhead(args: argparse.Namespace) -> dict:
             stdout=open(work / "kvgate.log", "wb"), stderr=subprocess.STDOUT,
         )
         procs.append(kv)
-        for name, port, ext in (("envoy-plain", plain_port, False), ("envoy-kvgate", kv_port, True)):
+        envoys: dict[str, subprocess.Popen] = {}
+        for name, integration in (("envoy", "none"), ("kvgate_ext_proc", "ext_proc"), ("kvgate_ext_authz", "ext_authz")):
             settings = EnvoySettings(
-                fleet=[node], ext_proc_address=f"127.0.0.1:{ep_port}", listen_address=f"127.0.0.1:{port}",
-                admin_address=f"127.0.0.1:{_free_port()}", ext_proc=ext, message_timeout_ms=1000,
+                fleet=[node], integration=integration, ext_proc_address=f"127.0.0.1:{ep_port}",
+                ext_authz_address=f"127.0.0.1:{authz_port}", listen_address=f"127.0.0.1:{listen[name]}",
+                admin_address=f"127.0.0.1:{_free_port()}", message_timeout_ms=1000,
             )
             (work / f"{name}.yaml").write_text(render_yaml(settings))
-            procs.append(subprocess.Popen(
+            envoys[name] = subprocess.Popen(
                 [envoy_bin, "-c", str(work / f"{name}.yaml"), "--concurrency", "1", "--disable-hot-restart", "-l", "error"],
                 stdout=open(work / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
-            ))
-        for port in (admin_port, plain_port, kv_port):
+            )
+            procs.append(envoys[name])
+        for port in (admin_port, *listen.values()):
             await _wait_port(port)
         await asyncio.sleep(1.0)  # the fleet keeper registers the node
         bodies = build_chats(args.conversations, args.history_tokens)
         path = "/v1/chat/completions"
         results: dict = {}
         results["direct"] = await _measure(f"http://{node}{path}", bodies, args.requests, args.warmup, args.concurrency)
-        results["envoy"] = await _measure(f"http://127.0.0.1:{plain_port}{path}", bodies, args.requests, args.warmup, args.concurrency)
-        await _measure(f"http://127.0.0.1:{kv_port}{path}", bodies, 0, args.warmup, 1)  # warm the token cache
-        cpu0 = _cpu_seconds(kv.pid)
-        results["kvgate"] = await _measure(f"http://127.0.0.1:{kv_port}{path}", bodies, args.requests, 0, args.concurrency)
-        cpu1 = _cpu_seconds(kv.pid)
-        results["kvgate"]["cpu_ms_per_request"] = (cpu1 - cpu0) * 1000 / (2 * args.requests)
+        for name, port in listen.items():
+            url = f"http://127.0.0.1:{port}{path}"
+            await _measure(url, bodies, 0, args.warmup, 1)  # warm connections and the token cache
+            kv0, env0 = _cpu_seconds(kv.pid), _cpu_seconds(envoys[name].pid)
+            results[name] = await _measure(url, bodies, args.requests, 0, args.concurrency)
+            kv1, env1 = _cpu_seconds(kv.pid), _cpu_seconds(envoys[name].pid)
+            results[name]["envoy_cpu_ms_per_request"] = (env1 - env0) * 1000 / (2 * args.requests)
+            if name != "envoy":
+                results[name]["cpu_ms_per_request"] = (kv1 - kv0) * 1000 / (2 * args.requests)
         async with aiohttp.ClientSession() as s:
             async with s.get(f"http://127.0.0.1:{admin_port}/metrics") as r:
                 text = await r.text()
-        routed = sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-                     if l.startswith("kvgate_decisions_total") and 'outcome="fail_open"' not in l)
-        results["kvgate"]["routed_requests"] = routed
+        results["routed_requests"] = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvgate_decisions_total") and 'outcome="fail_open"' not in line
+        )
+        results["kvgate"] = results["kvgate_ext_proc"]
         results["meta"] = {"requests": args.requests, "concurrency_for_rps": args.concurrency,
                            "history_tokens": args.history_tokens, "directory": args.directory}
         return results
@@ -207,16 +218,19 @@ async def overhead(args: argparse.Namespace) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     results = asyncio.run(overhead(args))
+    if results["routed_requests"] < 2 * args.requests:
+        print(f"warning: kvgate routed only {results['routed_requests']:.0f} requests; the rest failed open", file=sys.stderr)
     table = Table(title="kvgate overhead (latency at concurrency 1; req/s at --concurrency)")
-    for col in ("target", "p50 ms", "p99 ms", "req/s", "added p50 vs envoy", "CPU ms/req"):
+    for col in ("target", "p50 ms", "p99 ms", "req/s", "added p50 vs envoy", "kvgate CPU ms/req", "Envoy CPU ms/req"):
         table.add_column(col, justify="right")
     base = results["envoy"]["p50_ms"]
-    for name in ("direct", "envoy", "kvgate"):
+    for name in ("direct", "envoy", "kvgate_ext_proc", "kvgate_ext_authz"):
         r = results[name]
         table.add_row(
             name, f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}", f"{r['rps']:.0f}",
             f"{r['p50_ms'] - base:+.2f}" if name != "direct" else "",
             f"{r['cpu_ms_per_request']:.3f}" if "cpu_ms_per_request" in r else "",
+            f"{r['envoy_cpu_ms_per_request']:.3f}" if "envoy_cpu_ms_per_request" in r else "",
         )
     Console().print(table)
     if args.json_path:

@@ -281,6 +281,10 @@ class KvgateConfig(BaseSettings):
     listen_host: str = "127.0.0.1"
     ext_proc_port: Port = 9002
     admin_port: Port = 9003
+    ext_proc_enabled: bool = Field(True, description="serve Envoy's ext_proc (gRPC) on ext_proc_port")
+    ext_authz_port: Port | None = Field(
+        None, description="serve the same decision over HTTP for Envoy's ext_authz filter on this port; unset = off"
+    )
     models: list[str] = Field(default_factory=list, description="served model names; empty = accept any model")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must equal the engines' block size")
     tokenizer: TokenizerConfig = TokenizerConfig()
@@ -320,8 +324,18 @@ class KvgateConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _ports_differ(self) -> KvgateConfig:
-        if self.ext_proc_port == self.admin_port:
-            raise ValueError(f"ext_proc_port and admin_port are both {self.admin_port}")
+        ports = {"admin_port": self.admin_port}
+        if self.ext_proc_enabled:
+            ports["ext_proc_port"] = self.ext_proc_port
+        if self.ext_authz_port is not None:
+            ports["ext_authz_port"] = self.ext_authz_port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                raise ValueError(f"{seen[port]} and {name} are both {port}")
+            seen[port] = name
+        if not self.ext_proc_enabled and self.ext_authz_port is None:
+            raise ValueError("no Envoy integration enabled: set ext_proc_enabled or ext_authz_port")
         return self
 
     @model_validator(mode="after")

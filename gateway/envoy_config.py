@@ -10,7 +10,11 @@ What the rendered config does, and why (FACTS.md, "Envoy + ext_proc"):
   that header; kvgate clears the route cache so the match is re-evaluated after its mutation;
 - every other request (kvgate failed open, or a path kvgate does not route) takes the fallback
   route: a least-request cluster of the same fleet;
-- ext_proc runs only on the inference paths; other paths pass through untouched.
+- kvgate runs only on the inference paths; other paths pass through untouched.
+
+Two integrations carry the same decision (``integration``): ``ext_proc`` (gRPC, exact load
+accounting, what the Gateway API Inference Extension speaks) and ``ext_authz`` (HTTP with the
+body, about a quarter of the CPU); ``none`` renders plain balancing, the load tests' baseline.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import yaml
 
@@ -31,6 +36,8 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
 _EXT_PROC_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+_EXT_AUTHZ = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthz"
+_EXT_AUTHZ_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_authz.v3.ExtAuthzPerRoute"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
@@ -41,14 +48,15 @@ class EnvoySettings:
     """Everything the bootstrap depends on; one place so the CLI, tests and Helm agree."""
 
     fleet: Sequence[str]  # "host:port" of every serving node (the fallback cluster)
+    integration: Literal["ext_proc", "ext_authz", "none"] = "ext_proc"
     ext_proc_address: str = "127.0.0.1:9002"
+    ext_authz_address: str = "127.0.0.1:9004"
     listen_address: str = "0.0.0.0:8080"
     admin_address: str = "127.0.0.1:9901"
     max_body_bytes: int = 8 << 20
     message_timeout_ms: int = 200
     route_timeout_s: float = 600.0
     connect_timeout_ms: int = 1000
-    ext_proc: bool = True  # False renders plain least-request balancing (the load tests' baseline)
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
 
 
@@ -63,11 +71,15 @@ def _endpoints(addresses: Sequence[str]) -> list[dict]:
     return [{"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in addresses]}]
 
 
-def _route(match: dict, cluster: str, s: EnvoySettings, *, ext_proc_disabled: bool = False) -> dict:
+def _route(match: dict, cluster: str, s: EnvoySettings, *, kvgate_disabled: bool = False) -> dict:
     route: dict = {"match": match, "route": {"cluster": cluster, "timeout": f"{s.route_timeout_s}s"}}
-    if ext_proc_disabled and s.ext_proc:
+    if kvgate_disabled and s.integration == "ext_proc":
         route["typed_per_filter_config"] = {
             "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
+        }
+    elif kvgate_disabled and s.integration == "ext_authz":
+        route["typed_per_filter_config"] = {
+            "envoy.filters.http.ext_authz": {"@type": _EXT_AUTHZ_PER_ROUTE, "disabled": True}
         }
     return route
 
@@ -75,10 +87,10 @@ def _route(match: dict, cluster: str, s: EnvoySettings, *, ext_proc_disabled: bo
 def _routes(s: EnvoySettings) -> list[dict]:
     """Inference paths: routed by the header when kvgate set it, else the fallback.
 
-    Other paths (``/v1/models``, ``/health`` …) skip ext_proc and go to the fallback cluster.
+    Other paths (``/v1/models``, ``/health`` …) skip kvgate and go to the fallback cluster.
     """
     routes = []
-    if s.ext_proc:
+    if s.integration != "none":
         for path in INFERENCE_PATHS:
             routes.append(
                 _route(
@@ -89,13 +101,45 @@ def _routes(s: EnvoySettings) -> list[dict]:
             )
         for path in INFERENCE_PATHS:
             routes.append(_route({"path": path}, "fleet", s))
-    routes.append(_route({"prefix": "/"}, "fleet", s, ext_proc_disabled=True))
+    routes.append(_route({"prefix": "/"}, "fleet", s, kvgate_disabled=True))
     return routes
+
+
+def _ext_authz_filter(s: EnvoySettings) -> dict:
+    def exact(*names: str) -> dict:
+        return {"patterns": [{"exact": n} for n in names]}
+
+    return {
+        "name": "envoy.filters.http.ext_authz",
+        "typed_config": {
+            "@type": _EXT_AUTHZ,
+            "http_service": {
+                "server_uri": {
+                    "uri": f"http://{s.ext_authz_address}",
+                    "cluster": "kvgate_ext_authz",
+                    "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
+                },
+                "path_prefix": "/kvgate/authz",
+                "authorization_request": {"allowed_headers": exact("x-request-id", "content-type")},
+                "authorization_response": {
+                    "allowed_upstream_headers": exact(*KVGATE_HEADERS),
+                    "allowed_client_headers": exact("content-type"),
+                },
+            },
+            # The whole body or nothing: a partial body would be judged malformed.
+            "with_request_body": {"max_request_bytes": s.max_body_bytes, "allow_partial_message": False},
+            "failure_mode_allow": True,
+            "clear_route_cache": True,
+            "transport_api_version": "V3",
+        },
+    }
 
 
 def _http_filters(s: EnvoySettings) -> list[dict]:
     filters = []
-    if s.ext_proc:
+    if s.integration == "ext_authz":
+        filters.append(_ext_authz_filter(s))
+    if s.integration == "ext_proc":
         filters.append(
             {
                 "name": "envoy.filters.http.ext_proc",
@@ -132,7 +176,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
             "load_assignment": {"cluster_name": "fleet", "endpoints": _endpoints(s.fleet)},
         }
     ]
-    if s.ext_proc:
+    if s.integration != "none":
         clusters.append(
             {
                 "name": "kvgate_destination",
@@ -142,6 +186,19 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                 "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
             }
         )
+    if s.integration == "ext_authz":
+        clusters.append(
+            {
+                "name": "kvgate_ext_authz",
+                "type": "STATIC",
+                "connect_timeout": connect,
+                "load_assignment": {
+                    "cluster_name": "kvgate_ext_authz",
+                    "endpoints": _endpoints([s.ext_authz_address]),
+                },
+            }
+        )
+    if s.integration == "ext_proc":
         clusters.append(
             {
                 "name": "kvgate_ext_proc",
@@ -205,9 +262,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fleet", nargs="*", default=None, help="node addresses host:port (overrides the config)")
     parser.add_argument("--listen", default="0.0.0.0:8080", help="Envoy listener host:port")
     parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy admin host:port")
+    parser.add_argument(
+        "--integration",
+        choices=("ext_proc", "ext_authz", "none"),
+        default="ext_proc",
+        help="how Envoy asks kvgate: ext_proc (gRPC), ext_authz (HTTP), or none (plain least-request)",
+    )
     parser.add_argument("--ext-proc", default=None, help="kvgate ext_proc host:port (default: from the config)")
+    parser.add_argument("--ext-authz", default=None, help="kvgate ext_authz host:port (default: from the config)")
     parser.add_argument("--message-timeout-ms", type=int, default=200)
-    parser.add_argument("--no-ext-proc", action="store_true", help="plain least-request balancing, no kvgate")
     parser.add_argument("-o", "--output", help="write here instead of stdout")
 
 
@@ -217,14 +280,16 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
     cfg = load_config(args.config)
     fleet = args.fleet if args.fleet is not None else [n.address for n in cfg.fleet]
     ext_proc = args.ext_proc or f"{cfg.listen_host}:{cfg.ext_proc_port}"
+    ext_authz = args.ext_authz or f"{cfg.listen_host}:{cfg.ext_authz_port or 9004}"
     return EnvoySettings(
         fleet=fleet,
+        integration=args.integration,
         ext_proc_address=ext_proc,
+        ext_authz_address=ext_authz,
         listen_address=args.listen,
         admin_address=args.admin,
         max_body_bytes=cfg.limits.max_body_bytes,
         message_timeout_ms=args.message_timeout_ms,
-        ext_proc=not args.no_ext_proc,
     )
 
 

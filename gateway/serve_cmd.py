@@ -1,4 +1,5 @@
-"""``kvgate serve``: the ext_proc gRPC service and the admin API in one process.
+"""``kvgate serve``: the Envoy integrations (ext_proc over gRPC, ext_authz over HTTP, either or
+both) and the admin API in one process, over one routing core.
 
 Start-up order: config → tokenizer → directory → policy → fleet keepers → gRPC + admin servers.
 Fleet nodes with a KV-event endpoint are followed by an in-process bridge (the embedded default:
@@ -22,6 +23,7 @@ from aiohttp import web
 
 from directory_client import open_directory
 from directory_client.types import NodeInfo
+from ext_proc.ext_authz import ExtAuthzService, build_ext_authz_app
 from ext_proc.server import build_server
 from gateway.admin import build_admin_app
 from gateway.config import ConfigError, KvgateConfig, load_config
@@ -122,25 +124,35 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
-    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}")
-    admin = web.AppRunner(build_admin_app(directory), access_log=None)
+    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
+    authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
+    runners = [(web.AppRunner(build_admin_app(directory), access_log=None), cfg.admin_port)]
+    if authz is not None:
+        app = build_ext_authz_app(authz, max_body_bytes=cfg.limits.max_body_bytes)
+        runners.append((web.AppRunner(app, access_log=None), cfg.ext_authz_port))
     try:
         await keeper.start()
         for bridge in bridges:
             await bridge.start()
-        await grpc_server.start()
-        await admin.setup()
-        await web.TCPSite(admin, cfg.listen_host, cfg.admin_port).start()
+        if grpc_server is not None:
+            await grpc_server.start()
+        for runner, port in runners:
+            await runner.setup()
+            await web.TCPSite(runner, cfg.listen_host, port).start()
         log.info(
-            "kvgate serving: ext_proc %s:%d, admin %s:%d, directory %s, policy %s, %d nodes (%d bridged)",
-            cfg.listen_host, cfg.ext_proc_port, cfg.listen_host, cfg.admin_port,
+            "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
+            cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
             cfg.directory.url, cfg.policy.name, len(cfg.fleet), len(cfg.fleet) - len(keeper.nodes),
         )
         await stop.wait()
     finally:
         log.info("kvgate shutting down")
-        await grpc_server.stop(grace=5)
-        await admin.cleanup()
+        if grpc_server is not None:
+            await grpc_server.stop(grace=5)
+        for runner, _ in reversed(runners):
+            await runner.cleanup()
+        if authz is not None:
+            await authz.aclose()
         for bridge in bridges:
             await bridge.aclose()
         await keeper.aclose()

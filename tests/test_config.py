@@ -185,7 +185,10 @@ def test_value_ranges_are_named():
     for where in ("block_size:", "directory.heartbeat_ttl_s:", "directory.url: 'localhost:6379' is not a URL",
                   "policy.fallbacks:", "policy.min_pull_blocks:", "policy.link:", "log.level:"):  # fmt: skip
         assert where in msg
-    assert "ext_proc_port and admin_port are both 7000" in errors_of(ext_proc_port=7000, admin_port=7000)
+    assert "admin_port and ext_proc_port are both 7000" in errors_of(ext_proc_port=7000, admin_port=7000)
+    assert "ext_proc_port and ext_authz_port are both 7001" in errors_of(ext_proc_port=7001, ext_authz_port=7001)
+    assert "no Envoy integration enabled" in errors_of(ext_proc_enabled=False)
+    assert load_config(ext_proc_enabled=False, ext_authz_port=7002).ext_authz_port == 7002
 
 
 def test_chat_template_must_exist_unless_inline(tmp_path):

@@ -14,10 +14,10 @@ REPO = Path(__file__).resolve().parent.parent
 FLEET = ["10.0.0.11:8000", "10.0.0.12:8000", "10.0.0.13:8000"]
 
 
-@pytest.mark.parametrize("ext_proc", [True, False])
-def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, envoy_bin: str, ext_proc: bool) -> None:
+@pytest.mark.parametrize("integration", ["ext_proc", "ext_authz", "none"])
+def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, envoy_bin: str, integration: str) -> None:
     cfg = tmp_path / "envoy.yaml"
-    cfg.write_text(render_yaml(EnvoySettings(fleet=FLEET, ext_proc=ext_proc)))
+    cfg.write_text(render_yaml(EnvoySettings(fleet=FLEET, integration=integration)))
     out = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -54,3 +54,20 @@ def test_bad_fleet_address_is_rejected() -> None:
         render_bootstrap(EnvoySettings(fleet=["no-port-here"]))
     with pytest.raises(ValueError, match="empty"):
         render_bootstrap(EnvoySettings(fleet=[]))
+
+
+def test_ext_authz_bootstrap_carries_the_body_and_only_kvgate_headers() -> None:
+    boot = render_bootstrap(EnvoySettings(fleet=FLEET, integration="ext_authz", max_body_bytes=1 << 20))
+    authz = _hcm(boot)["http_filters"][0]["typed_config"]
+    assert authz["failure_mode_allow"] is True and authz["clear_route_cache"] is True
+    assert authz["with_request_body"] == {"max_request_bytes": 1 << 20, "allow_partial_message": False}
+    allowed = {p["exact"] for p in authz["http_service"]["authorization_response"]["allowed_upstream_headers"]["patterns"]}
+    assert allowed == set(KVGATE_HEADERS)
+    names = [f["name"] for f in _hcm(boot)["http_filters"]]
+    assert "envoy.filters.http.ext_proc" not in names
+
+
+def test_plain_bootstrap_has_no_kvgate() -> None:
+    boot = render_bootstrap(EnvoySettings(fleet=FLEET, integration="none", lb_policy="ROUND_ROBIN"))
+    assert [f["name"] for f in _hcm(boot)["http_filters"]] == ["envoy.filters.http.router"]
+    assert {c["name"] for c in boot["static_resources"]["clusters"]} == {"fleet"}

@@ -31,8 +31,9 @@ def tok() -> PromptTokenizer:
     return PromptTokenizer()
 
 
-def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok) -> None:
-    stack = Stack(tmp_path, envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+@pytest.mark.parametrize("integration", ["ext_proc", "ext_authz"])
+def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok, integration) -> None:
+    stack = Stack(tmp_path, envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", integration)
     try:
         history = chat(document("meadow"), "Describe it.")
         stack.seed("a", keys_of(tok, "/v1/chat/completions", history))

@@ -19,9 +19,12 @@ def tok() -> PromptTokenizer:
     return PromptTokenizer()
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, envoy_bin, redis_url):
-    s = Stack(tmp_path_factory.mktemp("e2e"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+@pytest.fixture(scope="module", params=["ext_proc", "ext_authz"])
+def stack(request, tmp_path_factory, envoy_bin, redis_url):
+    """The same tests run against both Envoy integrations: one decision, two wires."""
+    s = Stack(
+        tmp_path_factory.mktemp("e2e"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", request.param
+    )
     yield s
     s.stop()
 

@@ -35,14 +35,19 @@ def keys_of(tok: PromptTokenizer, path: str, body: dict) -> list[int]:
 
 
 class Stack:
-    def __init__(self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str) -> None:
+    def __init__(
+        self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc"
+    ) -> None:
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
         self.node_ports = {n: free_port() for n in NODES}
         self.echos = {n: start_echo(n, p, tmp) for n, p in self.node_ports.items()}
         self.ext_proc_port, self.admin_port, self.listen_port = free_port(), free_port(), free_port()
+        self.ext_authz_port = free_port()
         self.config = {
             "listen_host": "127.0.0.1",
+            "ext_proc_enabled": integration == "ext_proc",
             "ext_proc_port": self.ext_proc_port,
+            "ext_authz_port": self.ext_authz_port if integration == "ext_authz" else None,
             "admin_port": self.admin_port,
             "directory": {
                 "url": redis_url,
@@ -58,7 +63,9 @@ class Stack:
             envoy_bin,
             EnvoySettings(
                 fleet=[self.addr(n) for n in NODES],
+                integration=integration,
                 ext_proc_address=f"127.0.0.1:{self.ext_proc_port}",
+                ext_authz_address=f"127.0.0.1:{self.ext_authz_port}",
                 listen_address=f"127.0.0.1:{self.listen_port}",
                 admin_address=f"127.0.0.1:{free_port()}",
                 max_body_bytes=256 << 10,
