@@ -35,6 +35,11 @@ class DirectoryUnavailable(Exception):
     """The directory backend cannot be reached or answered an error: callers fail open."""
 
 
+class UnknownNode(LookupError):
+    """A heartbeat for a node that is not registered (never, deregistered, or forgotten after
+    its dead-node retention): the caller should ``register_node`` again."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A serving node as registered by its bridge (or by static config)."""

@@ -1,0 +1,71 @@
+-- Shared helpers, prepended to every kvgate directory script.
+-- Block entries: field = 8-byte big-endian block key, value = bitmask of tiers holding it
+-- (bit 0 GPU, bit 1 CPU, bit 2 STORAGE). A block can sit in several tiers at once (vLLM offloads
+-- a GPU block to CPU before evicting it), so removing one tier must not forget the others.
+
+-- fastest tier of a tier bitmask, indexed by the stored string (saves a tonumber per block)
+local FASTEST = {['1'] = 0, ['2'] = 1, ['3'] = 0, ['4'] = 2, ['5'] = 0, ['6'] = 1, ['7'] = 0}
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- split a blob of concatenated 8-byte keys into a Lua array (one string.sub per key)
+local function split_keys(blob)
+  local keys, n = {}, math.floor(#blob / 8)
+  for i = 1, n do keys[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  return keys, n
+end
+
+-- how many leading keys a node holds and the slowest fastest-tier among them. HMGET in chunks
+-- of doubling size: a node holding nothing costs one call with one field; one holding p blocks
+-- costs ~log2(p) calls and < 2p field reads. Scanning every field (no binary search) is what
+-- makes a hole in the middle of a prefix stop the count exactly where the engine would stop.
+local function held_prefix(blocks, keys, n)
+  local held, worst, lo, size = 0, 0, 1, 1
+  while lo <= n do
+    local hi = lo + size - 1
+    if hi > n then hi = n end
+    local vals = redis.call('HMGET', blocks, unpack(keys, lo, hi))
+    for i = 1, #vals do
+      local t = FASTEST[vals[i]]
+      if t == nil then return held, worst end
+      if t > worst then worst = t end
+      held = held + 1
+    end
+    lo = hi + 1
+    if size < 256 then size = size * 2 end
+  end
+  return held, worst
+end
+
+-- drop reservations whose deadline passed (a gateway replica died mid-request) and return the
+-- node's load counters. Members are "token|prefill_tokens".
+local function current_load(load, resv, now)
+  local expired = redis.call('ZRANGE', resv, '-inf', now, 'BYSCORE')
+  if #expired > 0 then
+    local tokens = 0
+    for i = 1, #expired do
+      tokens = tokens + (tonumber(string.match(expired[i], '|(%d+)$')) or 0)
+    end
+    redis.call('ZREMRANGEBYSCORE', resv, '-inf', now)
+    redis.call('HINCRBY', load, 'r', -#expired)
+    -- "0 - x", not "-x": Lua's -0 reaches Redis as "-0", which HINCRBY rejects
+    if tokens > 0 then redis.call('HINCRBY', load, 't', 0 - tokens) end
+  end
+  local l = redis.call('HMGET', load, 'r', 't')
+  local r, t = tonumber(l[1]) or 0, tonumber(l[2]) or 0
+  if r < 0 then r = 0 end
+  if t < 0 then t = 0 end
+  return r, t
+end
+
+-- one live node's answer, or nil when it is dead or unknown: {info, held, worst_tier, inflight, prefill}
+local function node_view(meta, blocks, load, resv, keys, n, now)
+  local m = redis.call('HMGET', meta, 'info', 'until')
+  if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
+  local r, t = current_load(load, resv, now)
+  local held, worst = held_prefix(blocks, keys, n)
+  return {m[1], held, worst, r, t}
+end

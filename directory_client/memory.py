@@ -1,0 +1,260 @@
+"""The in-process directory: the reference model every other backend is tested against, and the
+embedded default for a single gateway replica.
+
+Plain dicts, no locks (one event loop owns it, and no method awaits in the middle of a change),
+time read from an injected clock so tests and the simulator can drive it. The semantics are
+exactly the Redis backends' (same stride rule, same tier bitmasks, same expiry rules); where the
+two could differ (clock source) the difference is noted.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+
+from directory_client.sampling import KeySampler, check_keys
+from directory_client.types import (
+    DirectoryView,
+    NodeInfo,
+    NodeLoad,
+    NodeView,
+    Reservation,
+    Tier,
+    UnknownNode,
+)
+from directory_client.validate import (
+    check_durations,
+    check_node,
+    check_node_id,
+    check_prefill,
+    check_reservation,
+    check_tier,
+)
+from tokenizer.keys import BlockKey
+
+# fastest tier held, by tier bitmask (bit 0 GPU, bit 1 CPU, bit 2 STORAGE)
+FASTEST_TIER: tuple[int, ...] = (0, 0, 1, 0, 2, 0, 1, 0)
+TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.STORAGE)
+ALL_TIERS_MASK = 0b111
+_IDLE = NodeLoad()
+
+
+class _Node:
+    """One node's registration and blocks (lives until deregistered or forgotten)."""
+
+    __slots__ = ("info", "alive_until", "keep_until", "blocks")
+
+    def __init__(self) -> None:
+        self.info: NodeInfo | None = None
+        self.alive_until = float("-inf")
+        self.keep_until = float("-inf")
+        self.blocks: dict[int, int] = {}  # key -> tier bitmask
+
+
+class _Load:
+    """Reservations on one node. Insertion order = deadline order (max request time is fixed)."""
+
+    __slots__ = ("reservations", "inflight", "prefill")
+
+    def __init__(self) -> None:
+        self.reservations: dict[str, tuple[float, int]] = {}  # token -> (deadline, prefill)
+        self.inflight = 0
+        self.prefill = 0
+
+    def expire(self, now: float) -> None:
+        res = self.reservations
+        while res:
+            token, (deadline, prefill) = next(iter(res.items()))
+            if deadline > now:
+                return
+            del res[token]
+            self.inflight -= 1
+            self.prefill -= prefill
+
+    def view(self) -> NodeLoad:
+        return NodeLoad(self.inflight, self.prefill) if self.inflight else _IDLE
+
+
+class InProcessDirectory:
+    """``Directory`` held in this process's memory (one gateway replica; tests' model)."""
+
+    def __init__(
+        self,
+        *,
+        heartbeat_ttl_s: float = 10.0,
+        index_stride: int = 1,
+        max_request_s: float = 600.0,
+        dead_node_retention_s: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        check_durations(heartbeat_ttl_s, 1.0, max_request_s, dead_node_retention_s)
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.max_request_s = max_request_s
+        self.dead_node_retention_s = dead_node_retention_s
+        self.sampler = KeySampler(index_stride)
+        self._clock = clock
+        self._nodes: dict[str, _Node] = {}
+        self._loads: dict[str, _Load] = {}
+        self._tokens = itertools.count(1)
+
+    @property
+    def index_stride(self) -> int:
+        return self.sampler.stride
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    def _state(self, node_id: str, now: float) -> _Node | None:
+        """A node's state, forgetting it first if it stayed dead past the retention."""
+        st = self._nodes.get(node_id)
+        if st is not None and st.keep_until <= now:
+            del self._nodes[node_id]
+            return None
+        return st
+
+    def _touch(self, st: _Node, now: float) -> None:
+        st.keep_until = max(st.keep_until, now + self.heartbeat_ttl_s + self.dead_node_retention_s)
+
+    async def register_node(self, node: NodeInfo) -> None:
+        check_node(node)
+        now = self._clock()
+        st = self._state(node.node_id, now)
+        if st is None:
+            st = self._nodes[node.node_id] = _Node()
+        st.info = node
+        st.alive_until = now + self.heartbeat_ttl_s
+        self._touch(st, now)
+
+    async def heartbeat(self, node_id: str) -> None:
+        check_node_id(node_id)
+        now = self._clock()
+        st = self._state(node_id, now)
+        if st is None or st.info is None:
+            raise UnknownNode(f"node {node_id!r} is not registered")
+        st.alive_until = now + self.heartbeat_ttl_s
+        self._touch(st, now)
+
+    async def deregister_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        self._nodes.pop(node_id, None)
+        self._loads.pop(node_id, None)
+
+    def _live(self, now: float) -> list[tuple[str, _Node]]:
+        live = [(nid, st) for nid, st in self._nodes.items() if st.info is not None and st.alive_until > now]
+        live.sort(key=lambda item: item[0])
+        return live
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        return [st.info for _, st in self._live(self._clock()) if st.info is not None]
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    async def record_stored(self, node_id: str, keys: Sequence[BlockKey], tier: Tier = Tier.GPU) -> None:
+        check_node_id(node_id)
+        check_tier(tier, optional=False)
+        check_keys(keys)
+        now = self._clock()
+        st = self._state(node_id, now)
+        if st is None:
+            st = self._nodes[node_id] = _Node()
+        bit = 1 << int(tier)
+        blocks = st.blocks
+        get = blocks.get
+        for k in self.sampler.select(keys):
+            blocks[k] = get(k, 0) | bit
+        self._touch(st, now)
+
+    async def record_removed(self, node_id: str, keys: Sequence[BlockKey], tier: Tier | None = None) -> None:
+        check_node_id(node_id)
+        check_tier(tier, optional=True)
+        check_keys(keys)
+        st = self._state(node_id, self._clock())
+        if st is None:
+            return
+        keep = ALL_TIERS_MASK & ~(ALL_TIERS_MASK if tier is None else 1 << int(tier))
+        blocks = st.blocks
+        for k in self.sampler.select(keys):
+            mask = blocks.get(k)
+            if mask is None:
+                continue
+            mask &= keep
+            if mask:
+                blocks[k] = mask
+            else:
+                del blocks[k]
+
+    async def clear_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        st = self._state(node_id, self._clock())
+        if st is not None:
+            st.blocks.clear()
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView:
+        now = self._clock()
+        kept, positions = self.sampler.select_positions(keys)
+        views = []
+        for nid, st in self._live(now):
+            blocks = st.blocks
+            held = worst = 0
+            for k in kept:
+                mask = blocks.get(k)
+                if mask is None:
+                    break
+                t = FASTEST_TIER[mask]
+                if t > worst:
+                    worst = t
+                held += 1
+            load = self._loads.get(nid)
+            if load is not None:
+                load.expire(now)
+            assert st.info is not None
+            views.append(
+                NodeView(
+                    st.info,
+                    KeySampler.blocks_for(held, positions),
+                    TIERS[worst],
+                    _IDLE if load is None else load.view(),
+                )
+            )
+        return DirectoryView(tuple(views))
+
+    # -- load ----------------------------------------------------------------------------------
+
+    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation:
+        check_node_id(node_id)
+        check_prefill(prefill_tokens)
+        now = self._clock()
+        load = self._loads.get(node_id)
+        if load is None:
+            load = self._loads[node_id] = _Load()
+        load.expire(now)
+        token = f"m{next(self._tokens)}|{prefill_tokens}"
+        load.reservations[token] = (now + self.max_request_s, prefill_tokens)
+        load.inflight += 1
+        load.prefill += prefill_tokens
+        return Reservation(node_id, 1, prefill_tokens, token)
+
+    async def release(self, reservation: Reservation) -> None:
+        check_reservation(reservation)
+        load = self._loads.get(reservation.node_id)
+        if load is None:
+            return
+        entry = load.reservations.pop(reservation.token, None)
+        if entry is not None:
+            load.inflight -= 1
+            load.prefill -= entry[1]
+
+    async def loads(self) -> dict[str, NodeLoad]:
+        now = self._clock()
+        out = {}
+        for nid, _ in self._live(now):
+            load = self._loads.get(nid)
+            if load is not None:
+                load.expire(now)
+            out[nid] = _IDLE if load is None else load.view()
+        return out
+
+    async def aclose(self) -> None:
+        """Nothing to release; present for the protocol."""

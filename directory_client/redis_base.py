@@ -1,0 +1,354 @@
+"""What the single-Redis and the Redis Cluster backends share: key layout, scripts, error mapping.
+
+Key layout (``P`` = key prefix; the braces are a hash tag, so on a cluster all of one node's keys
+live in one slot and one script can touch them together):
+
+  {P}:registry        zset node_id -> heartbeat deadline (ms, server clock): which nodes to ask
+  {P}:config          hash  stride -> index stride every client must share
+  P:{node}:meta       hash  info -> NodeInfo json, until -> heartbeat deadline (ms, server clock)
+  P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
+  P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
+  P:{node}:resv       zset  "token|prefill" -> reservation deadline (ms)
+
+Deadlines use the server's clock (``TIME`` inside scripts), so gateway replicas with skewed
+clocks still agree on who is alive. Every I/O call runs under ``asyncio.timeout(op_timeout_s)``
+and any failure in it becomes ``DirectoryUnavailable``; ``CancelledError`` passes untouched
+(redis-py drops a connection interrupted mid-reply instead of returning it to the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+import dataclasses
+import itertools
+import json
+import os
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from directory_client.memory import TIERS
+from directory_client.sampling import KeySampler, check_keys, pack_keys
+from directory_client.scripts import Script, scripts
+from directory_client.types import (
+    DirectoryUnavailable,
+    DirectoryView,
+    NodeInfo,
+    NodeLoad,
+    NodeView,
+    Reservation,
+    Tier,
+    UnknownNode,
+)
+from directory_client.validate import (
+    check_durations,
+    check_node,
+    check_node_id,
+    check_prefill,
+    check_reservation,
+    check_tier,
+)
+from tokenizer.keys import BlockKey
+
+_NODE_FIELDS = tuple(f.name for f in dataclasses.fields(NodeInfo))
+_IDLE = NodeLoad()
+ALL_TIERS_MASK = 0b111
+
+
+class DirectoryConfigError(ValueError):
+    """This client's settings contradict what other clients of the same directory use."""
+
+
+def encode_node(node: NodeInfo) -> bytes:
+    return json.dumps(dataclasses.asdict(node), separators=(",", ":")).encode()
+
+
+def decode_node(raw: bytes) -> NodeInfo:
+    data = json.loads(raw)
+    return NodeInfo(**{k: v for k, v in data.items() if k in _NODE_FIELDS})
+
+
+class NodeKeys:
+    """The four keys of one node; built once per node id and kept (they are on the hot path)."""
+
+    __slots__ = ("meta", "blocks", "load", "resv")
+
+    def __init__(self, prefix: str, node_id: str) -> None:
+        base = f"{prefix}:{{{node_id}}}:"
+        self.meta, self.blocks, self.load, self.resv = (base + s for s in ("meta", "blocks", "load", "resv"))
+
+
+class RedisDirectoryBase(ABC):
+    """Every ``Directory`` method except the lookup fan-out, which differs per deployment."""
+
+    backend_name = "redis"
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        key_prefix: str = "kvgate",
+        heartbeat_ttl_s: float = 10.0,
+        index_stride: int = 1,
+        op_timeout_s: float = 0.5,
+        max_request_s: float = 600.0,
+        dead_node_retention_s: float = 3600.0,
+    ) -> None:
+        if not key_prefix or "{" in key_prefix or "}" in key_prefix:
+            raise ValueError(f"key_prefix must be non-empty and without braces, got {key_prefix!r}")
+        check_durations(heartbeat_ttl_s, op_timeout_s, max_request_s, dead_node_retention_s)
+        self._client = client
+        self.key_prefix = key_prefix
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.op_timeout_s = op_timeout_s
+        self.max_request_s = max_request_s
+        self.dead_node_retention_s = dead_node_retention_s
+        self.sampler = KeySampler(index_stride)
+        self._registry = f"{{{key_prefix}}}:registry"
+        self._config = f"{{{key_prefix}}}:config"
+        self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
+        self._retention_ms = int(dead_node_retention_s * 1000)
+        self._keep_ms = self._ttl_ms + self._retention_ms
+        self._max_request_ms = max(1, int(max_request_s * 1000))
+        self._scripts = scripts()
+        self._node_keys: dict[str, NodeKeys] = {}
+        self._infos: dict[bytes, NodeInfo] = {}  # raw json -> parsed: lookups never re-parse
+        self._client_id = os.urandom(6).hex()
+        self._tokens = itertools.count(1)
+        self._config_checked = False
+        self._config_lock = asyncio.Lock()
+
+    @property
+    def index_stride(self) -> int:
+        return self.sampler.stride
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _io(self, op: str) -> AsyncIterator[None]:
+        """Bound one backend round trip and fold every failure into ``DirectoryUnavailable``.
+
+        Only I/O runs inside: validation happens before, decoding after, so a bug in our own
+        code is not disguised as an outage. ``Exception`` (not ``BaseException``) is caught,
+        so cancellation propagates as it is.
+        """
+        try:
+            async with asyncio.timeout(self.op_timeout_s):
+                yield
+        except Exception as e:
+            raise DirectoryUnavailable(f"{self.backend_name} directory: {op} failed: {e!r}") from e
+
+    def _keys(self, node_id: str) -> NodeKeys:
+        nk = self._node_keys.get(node_id)
+        if nk is None:
+            if len(self._node_keys) > 100_000:
+                self._node_keys.clear()
+            nk = self._node_keys[node_id] = NodeKeys(self.key_prefix, node_id)
+        return nk
+
+    def _node(self, raw: bytes) -> NodeInfo:
+        info = self._infos.get(raw)
+        if info is None:
+            if len(self._infos) > 10_000:
+                self._infos.clear()
+            info = self._infos[raw] = decode_node(raw)
+        return info
+
+    async def _load_scripts(self) -> None:
+        for s in self._scripts.values():
+            await self._client.script_load(s.text)
+
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """EVALSHA, loading the script once if the server does not know it (restart, failover)."""
+        s: Script = self._scripts[name]
+        try:
+            return await self._client.evalsha(s.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self._client.script_load(s.text)
+            return await self._client.evalsha(s.sha, len(keys), *keys, *args)
+
+    def _evalsha_args(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
+        return ("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
+
+    async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Send commands in one pipeline (one round trip per shard, shards in parallel)."""
+        results = await self._send(commands)
+        if any(isinstance(r, NoScriptError) for r in results):
+            await self._load_scripts()
+            results = await self._send(commands)
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
+
+    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for cmd in commands:
+            pipe.execute_command(*cmd)
+        return list(await pipe.execute(raise_on_error=False))
+
+    async def _check_config(self) -> None:
+        """First use: every client of one directory must index with the same stride (the first
+        client to touch a key prefix fixes it; changing it means a new prefix)."""
+        if self._config_checked:
+            return
+        async with self._config_lock:  # a burst of first calls: one checks, the rest wait
+            if self._config_checked:
+                return
+            async with self._io("config check"):
+                stride = str(self.sampler.stride).encode()
+                await self._client.hsetnx(self._config, "stride", stride)
+                stored = await self._client.hget(self._config, "stride")
+        if stored != stride:
+            raise DirectoryConfigError(
+                f"directory {self.key_prefix!r} is indexed with stride {stored!r}, this client uses {stride!r}"
+            )
+        self._config_checked = True
+
+    def _live_ids_changed(self, node_id: str | None = None) -> None:
+        """Hook: a backend caching the live-node list drops it after this client changes it
+        (``node_id``: a heartbeat, which changes the list only if that node was missing)."""
+
+    # -- nodes ---------------------------------------------------------------------------------
+
+    async def register_node(self, node: NodeInfo) -> None:
+        check_node(node)
+        await self._check_config()
+        nk = self._keys(node.node_id)
+        async with self._io("register_node"):
+            await self._pipeline(
+                [
+                    self._evalsha_args("register", (nk.meta, nk.blocks), (encode_node(node), self._ttl_ms, self._keep_ms)),
+                    self._evalsha_args(
+                        "registry_touch", (self._registry,), (node.node_id, self._ttl_ms, self._retention_ms)
+                    ),
+                ]
+            )
+        self._live_ids_changed()
+
+    async def heartbeat(self, node_id: str) -> None:
+        check_node_id(node_id)
+        await self._check_config()
+        nk = self._keys(node_id)
+        async with self._io("heartbeat"):
+            known = await self._eval("heartbeat", (nk.meta, nk.blocks), (self._ttl_ms, self._keep_ms))
+            if known:
+                await self._eval("registry_touch", (self._registry,), (node_id, self._ttl_ms, self._retention_ms))
+        if not known:
+            raise UnknownNode(f"node {node_id!r} is not registered")
+        self._live_ids_changed(node_id)
+
+    async def deregister_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        await self._check_config()
+        nk = self._keys(node_id)
+        async with self._io("deregister_node"):
+            await self._pipeline(
+                [("DEL", nk.meta, nk.blocks, nk.load, nk.resv), ("ZREM", self._registry, node_id)]
+            )
+        self._live_ids_changed()
+
+    async def _registry_ids(self) -> list[str]:
+        """Node ids with a current heartbeat, sorted (the lookup order)."""
+        async with self._io("registry"):
+            raw = await self._eval("registry_live", (self._registry,), ())
+        return sorted(r.decode() for r in raw)
+
+    async def live_nodes(self) -> list[NodeInfo]:
+        await self._check_config()
+        ids = await self._registry_ids()
+        if not ids:
+            return []
+        async with self._io("live_nodes"):
+            infos = await self._pipeline([self._evalsha_args("node_info", (self._keys(i).meta,), ()) for i in ids])
+        return [self._node(raw) for raw in infos if raw is not None]
+
+    # -- blocks --------------------------------------------------------------------------------
+
+    async def record_stored(self, node_id: str, keys: Sequence[BlockKey], tier: Tier = Tier.GPU) -> None:
+        check_node_id(node_id)
+        check_tier(tier, optional=False)
+        check_keys(keys)
+        await self._check_config()
+        kept = self.sampler.select(keys)
+        nk = self._keys(node_id)
+        async with self._io("record_stored"):
+            await self._eval("record_stored", (nk.meta, nk.blocks), (1 << int(tier), self._keep_ms, pack_keys(kept)))
+
+    async def record_removed(self, node_id: str, keys: Sequence[BlockKey], tier: Tier | None = None) -> None:
+        check_node_id(node_id)
+        check_tier(tier, optional=True)
+        check_keys(keys)
+        await self._check_config()
+        kept = self.sampler.select(keys)
+        if not kept:
+            return
+        clear = ALL_TIERS_MASK if tier is None else 1 << int(tier)
+        async with self._io("record_removed"):
+            await self._eval("record_removed", (self._keys(node_id).blocks,), (clear, pack_keys(kept)))
+
+    async def clear_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        await self._check_config()
+        async with self._io("clear_node"):
+            await self._client.delete(self._keys(node_id).blocks)
+
+    # -- lookup --------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
+        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill])."""
+
+    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView:
+        await self._check_config()
+        kept, positions = self.sampler.select_positions(keys)
+        blob = pack_keys(kept)
+        rows = await self._fan_out(blob)
+        blocks_for = KeySampler.blocks_for
+        node = self._node
+        views = []
+        for _, (info, held, worst, inflight, prefill) in rows:
+            views.append(
+                NodeView(
+                    node(info),
+                    blocks_for(held, positions),
+                    TIERS[worst],
+                    NodeLoad(inflight, prefill) if inflight else _IDLE,
+                )
+            )
+        return DirectoryView(tuple(views))
+
+    # -- load ----------------------------------------------------------------------------------
+
+    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation:
+        check_node_id(node_id)
+        check_prefill(prefill_tokens)
+        await self._check_config()
+        member = f"{self._client_id}-{next(self._tokens)}|{prefill_tokens}"
+        nk = self._keys(node_id)
+        async with self._io("reserve"):
+            await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, self._max_request_ms))
+        return Reservation(node_id, 1, prefill_tokens, member)
+
+    async def release(self, reservation: Reservation) -> None:
+        check_reservation(reservation)
+        if not reservation.token:
+            return
+        nk = self._keys(reservation.node_id)
+        async with self._io("release"):
+            await self._eval("release", (nk.load, nk.resv), (reservation.token,))
+
+    async def loads(self) -> dict[str, NodeLoad]:
+        await self._check_config()
+        rows = await self._fan_out(b"")
+        return {nid: NodeLoad(r[3], r[4]) if r[3] else _IDLE for nid, r in rows}
+
+    async def aclose(self) -> None:
+        """Close the connection pool; a directory that is down closes without raising."""
+        try:
+            await self._client.aclose()
+        except Exception:  # closing a pool whose server vanished must not fail shutdown
+            pass

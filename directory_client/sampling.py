@@ -1,0 +1,82 @@
+"""Index granularity: which block keys the directory keeps, and how answers map back to blocks.
+
+Callers (the bridge, the gateway) always pass *every* block key and always get answers in engine
+blocks; the directory alone decides what to index. With ``stride`` k it keeps only keys whose
+value is divisible by k. Chained keys are uniform 64-bit hashes, so that keeps ~1/k of the
+blocks, and it needs no position: ``record_stored`` is given keys without their place in the
+prompt (an event batch may start mid-prompt), yet writer and reader pick the same keys.
+
+A lookup then counts the leading *sampled* keys a node holds; if it holds the first m of them,
+the node's cached prefix is reported as ``position(m-th sampled key) + 1`` blocks — a lower
+bound, short of the truth by less than the gap to the next sampled key (k on average). Prompts
+shorter than a few strides may contain no sampled key at all and report 0 everywhere.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from tokenizer.keys import BlockKey
+
+MAX_KEY = (1 << 64) - 1
+
+
+def check_stride(stride: int) -> int:
+    if isinstance(stride, bool) or not isinstance(stride, int) or stride < 1:
+        raise ValueError(f"index_stride must be a positive integer, got {stride!r}")
+    return stride
+
+
+def check_keys(keys: Sequence[BlockKey]) -> None:
+    """Reject keys that are not unsigned 64-bit integers, before anything is written."""
+    for k in keys:
+        if not isinstance(k, int) or k < 0 or k > MAX_KEY:
+            raise ValueError(f"block key {k!r} is not an integer in [0, 2**64)")
+
+
+class KeySampler:
+    """The stride rule, shared by every backend so they index (and answer) identically."""
+
+    __slots__ = ("stride",)
+
+    def __init__(self, stride: int) -> None:
+        self.stride = check_stride(stride)
+
+    def select(self, keys: Sequence[BlockKey]) -> list[int]:
+        """The keys the directory keeps, in order (what writes store or remove)."""
+        s = self.stride
+        if s == 1:
+            return list(keys)
+        return [k for k in keys if k % s == 0]
+
+    def select_positions(self, keys: Sequence[BlockKey]) -> tuple[list[int], list[int] | None]:
+        """Kept keys and their positions in ``keys`` (None means "all kept, position = index")."""
+        s = self.stride
+        if s == 1:
+            return list(keys), None
+        kept: list[int] = []
+        positions: list[int] = []
+        for i, k in enumerate(keys):
+            if k % s == 0:
+                kept.append(k)
+                positions.append(i)
+        return kept, positions
+
+    @staticmethod
+    def blocks_for(held: int, positions: list[int] | None) -> int:
+        """Engine blocks covered when a node holds the first ``held`` sampled keys."""
+        if held <= 0:
+            return 0
+        return held if positions is None else positions[held - 1] + 1
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Keys as one blob of 8-byte big-endian words: one Redis argument however many keys."""
+    try:
+        return struct.pack(f">{len(keys)}Q", *keys)
+    except struct.error as e:
+        raise ValueError(f"block keys must be integers in [0, 2**64): {e}") from None
+
+DEFAULT_INDEX_STRIDE = 4
+"""See README.md (index granularity) for the measurements behind this default."""

@@ -1,0 +1,60 @@
+"""Input checks shared by every backend, so bad input fails the same way everywhere and before
+anything is written (a half-applied batch would be worse than a refused one)."""
+
+from __future__ import annotations
+
+from directory_client.types import NodeInfo, Reservation, Tier
+
+MAX_NODE_ID = 200
+
+
+def check_node_id(node_id: str) -> str:
+    """Node ids become part of Redis key names and hash tags: no braces, no empty ids."""
+    if not isinstance(node_id, str) or not node_id:
+        raise ValueError(f"node_id must be a non-empty string, got {node_id!r}")
+    if len(node_id) > MAX_NODE_ID or "{" in node_id or "}" in node_id or not node_id.isprintable():
+        raise ValueError(f"node_id {node_id!r} must be printable, without braces, at most {MAX_NODE_ID} chars")
+    return node_id
+
+
+def check_node(node: NodeInfo) -> NodeInfo:
+    if not isinstance(node, NodeInfo):
+        raise ValueError(f"expected NodeInfo, got {type(node).__name__}")
+    check_node_id(node.node_id)
+    if not node.address:
+        raise ValueError(f"node {node.node_id!r} has no address")
+    if node.capacity_blocks < 0:
+        raise ValueError(f"node {node.node_id!r} has negative capacity_blocks")
+    return node
+
+
+def check_tier(tier: Tier | None, *, optional: bool) -> None:
+    if tier is None and optional:
+        return
+    if tier not in (Tier.GPU, Tier.CPU, Tier.STORAGE) or isinstance(tier, bool):
+        raise ValueError(f"tier must be a Tier, got {tier!r}")
+
+
+def check_prefill(prefill_tokens: int) -> int:
+    if isinstance(prefill_tokens, bool) or not isinstance(prefill_tokens, int) or prefill_tokens < 0:
+        raise ValueError(f"prefill_tokens must be a non-negative integer, got {prefill_tokens!r}")
+    return prefill_tokens
+
+
+def check_reservation(reservation: Reservation) -> Reservation:
+    if not isinstance(reservation, Reservation):
+        raise ValueError(f"expected Reservation, got {type(reservation).__name__}")
+    check_node_id(reservation.node_id)
+    return reservation
+
+
+def check_durations(heartbeat_ttl_s: float, op_timeout_s: float, max_request_s: float, retention_s: float) -> None:
+    for name, value in (
+        ("heartbeat_ttl_s", heartbeat_ttl_s),
+        ("op_timeout_s", op_timeout_s),
+        ("max_request_s", max_request_s),
+    ):
+        if not value > 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+    if not retention_s >= 0:
+        raise ValueError(f"dead_node_retention_s must be >= 0, got {retention_s!r}")
