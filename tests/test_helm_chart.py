@@ -1,0 +1,525 @@
+"""The Helm chart, rendered by the real Helm SDK (helm-python-sdk, no helm binary) for several
+values sets, every manifest validated strictly against the Kubernetes 1.30 and 1.37 schemas,
+and checked for what a deployment relies on: Envoy calls the port kvgate serves, fails open,
+routes like ``kvgate envoy-config``; probes hit the admin API's real routes; no secret sits in
+values or ConfigMaps; the gateway's ConfigMap is a config ``kvgate serve`` accepts."""
+
+from __future__ import annotations
+
+import copy
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="install the helm-test extra (make test does)")
+kv = pytest.importorskip("kubernetes_validate", reason="install the helm-test extra (make test does)")
+
+from directory_client.memory import InProcessDirectory  # noqa: E402
+from gateway.admin import build_admin_app  # noqa: E402
+from gateway.config import load_config  # noqa: E402
+from gateway.envoy_config import KVGATE_HEADERS, EnvoySettings, render_bootstrap  # noqa: E402
+from gateway.policy import POLICY_NAMES  # noqa: E402
+
+CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
+RELEASE, NAMESPACE = "kv", "llm"
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+K8S_VERSIONS = ("1.30.0", "1.37.0")
+NO_SCHEMA = {"ServiceMonitor"}  # a CRD (prometheus-operator): checked by hand below
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    # chart defaults plus the one value every install must give
+    "defaults": {"models": [MODEL]},
+    "external-redis": {
+        "models": [MODEL],
+        "redis": {"mode": "external", "external": {"url": "rediss://redis.data.svc:6380/2",
+                                                   "passwordSecret": {"name": "redis-auth", "key": "pw"}}},  # fmt: skip
+    },
+    "discovery-pods": {
+        "models": [MODEL],
+        "fleet": {"discovery": {"source": "pods", "namespace": "engines", "labelSelector": "app=vllm",
+                                "port": "http", "eventsPort": "kv-events", "replayPort": None, "transferPort": 7000}},  # fmt: skip
+        "envoy": {"fallback": ["vllm.engines.svc.cluster.local:8000"]},
+        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+    },
+    "minimal": {
+        "redis": {"mode": "none"},
+        "fleet": {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}]},
+        "gateway": {"replicas": 1, "autoscaling": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
+        "envoy": {"enabled": False},
+        "networkPolicy": {"enabled": False},
+    },
+    "static-with-bridges": {
+        "models": [MODEL],
+        "fleet": {"discovery": {"enabled": False},
+                  "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}, {"node_id": "n2", "address": "10.0.0.12:8000"}]},
+        "bridge": {"sidecar": {"enabled": True},
+                   "standalone": {"enabled": True, "engines": [
+                       {"node_id": "n1", "address": "10.0.0.11:8000", "events": "tcp://10.0.0.11:5557", "replay": "tcp://10.0.0.11:5558"},
+                       {"node_id": "n2", "address": "10.0.0.12:8000", "events": "tcp://10.0.0.12:5557"}]}},
+        "redis": {"bundled": {"persistence": {"enabled": True, "storageClass": "fast"}}},
+        "gateway": {"config": {"directory": {"heartbeat_ttl_s": 6}}},
+        "serviceMonitor": {"enabled": True},
+    },  # fmt: skip
+    "ext-authz": {"models": [MODEL], "gateway": {"integration": "ext_authz", "extAuthzPort": 9100}},
+}
+
+
+@pytest.fixture(scope="module")
+def chart() -> Iterator[Any]:
+    with helm.Chart.load(CHART) as loaded:
+        yield loaded
+
+
+def render(chart: Any, values: dict[str, Any]) -> list[dict[str, Any]]:
+    out = chart.render(values=copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+    docs = []
+    for path, text in sorted(out.items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d]
+    return docs
+
+
+def one(docs: list[dict], kind: str, name_suffix: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == f"{RELEASE}-kvgate{name_suffix}"]
+    assert len(found) == 1, f"expected one {kind} {name_suffix!r}, found {len(found)}"
+    return found[0]
+
+
+def containers(docs: list[dict]) -> Iterator[tuple[dict, dict]]:
+    """(pod spec, container) of every workload."""
+    for d in docs:
+        if d["kind"] in ("Deployment", "StatefulSet"):
+            spec = d["spec"]["template"]["spec"]
+            for c in spec["containers"] + spec.get("initContainers", []):
+                yield spec, c
+
+
+def sidecar_snippet(docs: list[dict]) -> dict:
+    return yaml.safe_load(one(docs, "ConfigMap", "-bridge-sidecar")["data"]["container.yaml"])
+
+
+def envoy_bootstrap(docs: list[dict]) -> dict:
+    return yaml.safe_load(one(docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"])
+
+
+def gateway_config_text(docs: list[dict]) -> str:
+    return one(docs, "ConfigMap", "-gateway")["data"]["kvgate.yaml"]
+
+
+# --- every manifest is one Kubernetes accepts -----------------------------------------------------
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_every_manifest_validates_strictly(chart: Any, name: str, version: str) -> None:
+    docs = render(chart, VALUE_SETS[name])
+    checked = 0
+    for doc in docs:
+        if doc["kind"] in NO_SCHEMA:
+            continue
+        kv.validate(doc, version, strict=True)
+        checked += 1
+    assert checked >= 3
+    if any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-bridge-sidecar") for d in docs):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "engine"}, "spec": {"containers": [sidecar_snippet(docs)]}}
+        kv.validate(pod, version, strict=True)
+
+
+def test_the_validator_is_strict(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["defaults"])
+    deployment = copy.deepcopy(one(docs, "Deployment", "-gateway"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}  # a typo must fail
+    with pytest.raises(kv.ValidationError):
+        kv.validate(deployment, "1.30.0", strict=True)
+
+
+def test_helm_lint_finds_nothing_above_info(chart: Any) -> None:
+    for values in VALUE_SETS.values():
+        report = helm.lint(str(CHART), copy.deepcopy(values), strict=True, kube_version="v1.30.0")
+        assert report["errors"] == []
+        assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_service_monitor_scrapes_the_admin_port(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["discovery-pods"])
+    sm = one(docs, "ServiceMonitor", "")
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1" and sm["metadata"]["labels"]["release"] == "prometheus"
+    selected = [d for d in docs if d["kind"] == "Service"
+                and sm["spec"]["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()]  # fmt: skip
+    assert [s["metadata"]["name"] for s in selected] == [f"{RELEASE}-kvgate-gateway"]
+    port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
+    assert any(e["port"] in port_names and e["path"] == "/metrics" for e in sm["spec"]["endpoints"])
+
+
+# --- Envoy calls what the gateway serves, and fails open ------------------------------------------
+
+
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+@pytest.mark.parametrize("name", ["defaults", "discovery-pods", "ext-authz", "external-redis"])
+def test_envoy_calls_the_port_the_gateway_serves(chart: Any, name: str) -> None:
+    docs = render(chart, VALUE_SETS[name])
+    boot = envoy_bootstrap(docs)
+    integration = VALUE_SETS[name].get("gateway", {}).get("integration", "ext_proc")
+    cluster = next(c for c in boot["static_resources"]["clusters"] if c["name"] == f"kvgate_{integration}")
+    sock = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]["socket_address"]
+    service_name, _, domain = sock["address"].partition(".")
+    assert domain == f"{NAMESPACE}.svc.cluster.local"
+    service = one(docs, "Service", service_name.removeprefix(f"{RELEASE}-kvgate"))
+    assert service["spec"]["clusterIP"] == "None"  # every replica resolved: streams spread over them
+    svc_port = next(p for p in service["spec"]["ports"] if p["port"] == sock["port_value"])
+
+    gateway = one(docs, "Deployment", "-gateway")
+    pod = gateway["spec"]["template"]
+    assert _selects(service["spec"]["selector"], pod["metadata"]["labels"])
+    container = pod["spec"]["containers"][0]
+    served = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert served[svc_port["targetPort"]] == sock["port_value"]
+
+    cfg = yaml.safe_load(gateway_config_text(docs))
+    if integration == "ext_proc":
+        assert cfg["ext_proc_enabled"] is True and cfg["ext_proc_port"] == sock["port_value"]
+    else:
+        assert cfg["ext_proc_enabled"] is False and cfg["ext_authz_port"] == sock["port_value"]
+
+
+def _hcm(boot: dict) -> dict:
+    return boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+
+
+@pytest.mark.parametrize("name", ["defaults", "ext-authz"])
+def test_envoy_strips_client_headers_fails_open_and_falls_back_to_least_request(chart: Any, name: str) -> None:
+    values = copy.deepcopy(VALUE_SETS[name])
+    values["limits"] = {"maxBodyBytes": 4 << 20, "maxPromptTokens": 65536}
+    docs = render(chart, values)
+    boot = envoy_bootstrap(docs)
+    hcm = _hcm(boot)
+    removed = {m["remove"] for m in hcm["early_header_mutation_extensions"][0]["typed_config"]["mutations"]}
+    assert removed == set(KVGATE_HEADERS)
+    kvgate_filter = hcm["http_filters"][0]["typed_config"]
+    assert kvgate_filter["failure_mode_allow"] is True
+    clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
+    assert clusters["kvgate_destination"]["type"] == "ORIGINAL_DST"
+    assert clusters["kvgate_destination"]["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    assert clusters["fleet"]["lb_policy"] == "LEAST_REQUEST"
+    assert clusters["fleet"]["type"] == "STRICT_DNS"  # the engines' headless Service
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[-1]["route"]["cluster"] == "fleet"
+    listener = boot["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == (4 << 20) + (64 << 10)
+    assert yaml.safe_load(gateway_config_text(docs))["limits"]["max_body_bytes"] == 4 << 20
+
+
+def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
+    e = values.get("envoy", {})
+    g = values.get("gateway", {})
+    integration = g.get("integration", "ext_proc")
+    port = g.get("extAuthzPort", 9004) if integration == "ext_authz" else g.get("extProcPort", 9002)
+    kvgate = f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local:{port}"
+    return EnvoySettings(
+        fleet=fleet,
+        integration=integration,
+        ext_proc_address=kvgate,
+        ext_authz_address=kvgate,
+        listen_address=f"0.0.0.0:{e.get('listenPort', 8080)}",
+        admin_address=f"127.0.0.1:{e.get('adminPort', 9901)}",
+        max_body_bytes=values.get("limits", {}).get("maxBodyBytes", 8 << 20),
+        message_timeout_ms=e.get("messageTimeoutMs", 200),
+        route_timeout_s=float(e.get("routeTimeoutSeconds", 600)),
+        connect_timeout_ms=e.get("connectTimeoutMs", 1000),
+        lb_policy=e.get("lbPolicy", "LEAST_REQUEST"),
+        retries=e.get("retries", 2),
+        health_check_interval_ms=e.get("healthCheckIntervalMs", 1000),
+    )
+
+
+PARITY = [
+    (VALUE_SETS["defaults"], ["vllm.llm.svc.cluster.local:8000"]),
+    (VALUE_SETS["ext-authz"], ["vllm.llm.svc.cluster.local:8000"]),
+    (
+        {**VALUE_SETS["static-with-bridges"], "limits": {"maxBodyBytes": 1 << 20, "maxPromptTokens": 4096},
+         "envoy": {"listenPort": 10000, "adminPort": 9911, "messageTimeoutMs": 150, "routeTimeoutSeconds": 120,
+                   "connectTimeoutMs": 250, "lbPolicy": "ROUND_ROBIN", "retries": 0, "healthCheckIntervalMs": 0}},
+        ["10.0.0.11:8000", "10.0.0.12:8000"],
+    ),
+    (
+        {"models": [MODEL], "gateway": {"extProcPort": 7002},
+         "envoy": {"fallback": ["[fd00::11]:8000", "[fd00::12]:8000"], "retries": 3, "healthCheckIntervalMs": 2500}},
+        ["[fd00::11]:8000", "[fd00::12]:8000"],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("values,fleet", PARITY)
+def test_chart_envoy_config_is_what_kvgate_envoy_config_renders(chart: Any, values: dict, fleet: list[str]) -> None:
+    assert envoy_bootstrap(render(chart, values)) == render_bootstrap(_settings_for(values, fleet))
+
+
+def test_envoy_accepts_the_chart_bootstrap(chart: Any, envoy_bin: str, tmp_path: Path) -> None:
+    for name in ("defaults", "ext-authz"):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(one(render(chart, VALUE_SETS[name]), "ConfigMap", "-envoy")["data"]["envoy.yaml"])
+        out = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+# --- the gateway pod ------------------------------------------------------------------------------
+
+
+def _resolve_env(container: dict, secrets: dict[tuple[str, str], str]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it: secretKeyRefs read, $(VAR) expanded."""
+    env: dict[str, str] = {}
+    for item in container.get("env", []):
+        if "valueFrom" in item:
+            ref = item["valueFrom"].get("secretKeyRef")
+            if ref is None:
+                continue  # downward API: not needed here
+            env[item["name"]] = secrets[(ref["name"], ref["key"])]
+        else:
+            env[item["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), item["value"])
+    return env
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_gateway_config_is_one_kvgate_serve_accepts(
+    chart: Any, name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    docs = render(chart, VALUE_SETS[name])
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(gateway_config_text(docs))
+    container = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    secrets = {("kv-kvgate-redis", "password"): "s3cret", ("redis-auth", "pw"): "s3cret"}
+    for key, value in _resolve_env(container, secrets).items():
+        monkeypatch.setenv(key, value)
+    cfg = load_config(path)
+    assert cfg.listen_host == "0.0.0.0"
+    mode = VALUE_SETS[name].get("redis", {}).get("mode", "bundled")
+    expected_url = {
+        "bundled": f"redis://:s3cret@{RELEASE}-kvgate-redis.{NAMESPACE}.svc.cluster.local:6379/0",
+        "external": "rediss://:s3cret@redis.data.svc:6380/2",
+        "none": "memory://",
+    }[mode]
+    assert cfg.directory.url == expected_url
+    k8s = cfg.discovery.kubernetes
+    discovery = VALUE_SETS[name].get("fleet", {}).get("discovery", {})
+    assert k8s.enabled == discovery.get("enabled", True)
+    if k8s.enabled:
+        assert k8s.namespace == discovery.get("namespace", NAMESPACE)
+        assert k8s.events_port == discovery.get("eventsPort", 5557)
+        assert k8s.model == MODEL
+
+
+def test_gateway_config_values_are_merged_over_the_charts(chart: Any, tmp_path: Path) -> None:
+    values = {**VALUE_SETS["minimal"], "gateway": {**VALUE_SETS["minimal"]["gateway"],
+              "config": {"policy": {"allow_pull": False}, "tokenizer": {"cache_bytes": "64MiB"}}}}  # fmt: skip
+    path = tmp_path / "kvgate.yaml"
+    path.write_text(gateway_config_text(render(chart, values)))
+    cfg = load_config(path)
+    assert cfg.policy.allow_pull is False and cfg.policy.name == "kvgate"  # merged, not replaced
+    assert cfg.tokenizer.cache_bytes == 64 << 20
+
+
+async def test_probes_hit_the_admin_api_routes(chart: Any) -> None:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    docs = render(chart, VALUE_SETS["defaults"])
+    container = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    admin_port = yaml.safe_load(gateway_config_text(docs))["admin_port"]
+    probes = {kind: container[kind]["httpGet"] for kind in ("startupProbe", "livenessProbe", "readinessProbe")}
+    assert {p["path"] for p in probes.values()} == {"/healthz", "/readyz"}
+    assert probes["readinessProbe"]["path"] == "/readyz" and probes["livenessProbe"]["path"] == "/healthz"
+    assert all(ports[p["port"]] == admin_port for p in probes.values())
+    async with TestClient(TestServer(build_admin_app(InProcessDirectory()))) as client:
+        for probe in probes.values():
+            resp = await client.get(probe["path"])
+            assert resp.status == 200, probe
+
+
+# --- secrets, hardening, network policy -----------------------------------------------------------
+
+
+def test_no_secret_in_values_configmaps_or_pod_specs(chart: Any) -> None:
+    for name in ("defaults", "external-redis", "static-with-bridges"):
+        docs = render(chart, VALUE_SETS[name])
+        secret_docs = [d for d in docs if d["kind"] == "Secret"]
+        for _, c in containers(docs):
+            for item in c.get("env", []):
+                if item["name"] == "REDIS_PASSWORD":
+                    assert "secretKeyRef" in item["valueFrom"]
+                if item["name"] == "KVGATE_DIRECTORY__URL" and "@" in item["value"]:
+                    assert ":$(REDIS_PASSWORD)@" in item["value"]
+        for cm in (d for d in docs if d["kind"] == "ConfigMap"):
+            text = yaml.safe_dump(cm)
+            assert not re.search(r"://[^/\s]*:[^$/\s][^/\s]*@", text), cm["metadata"]["name"]
+            for s in secret_docs:
+                assert s["data"]["password"] not in text
+        if name == "external-redis":
+            assert secret_docs == []  # the user's Secret is referenced, never created from values
+        else:
+            (secret,) = secret_docs
+            assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            assert len(secret["data"]["password"]) >= 40  # base64 of a 32-character generated password
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_containers_run_non_root_read_only_without_capabilities(chart: Any, name: str) -> None:
+    docs = render(chart, VALUE_SETS[name])
+    found = list(containers(docs))
+    if name == "static-with-bridges":
+        found.append(({}, sidecar_snippet(docs)))
+    assert found
+    for pod, c in found:
+        sc = c["securityContext"]
+        assert pod.get("securityContext", {}).get("runAsNonRoot") or sc.get("runAsNonRoot") or not pod, c["name"]
+        assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+    for pod, c in found:
+        if pod:
+            assert pod["securityContext"]["runAsUser"] != 0
+
+
+def _pod_labels(docs: list[dict], suffix: str, kind: str = "Deployment") -> dict[str, str]:
+    return one(docs, kind, suffix)["spec"]["template"]["metadata"]["labels"]
+
+
+def _admits(rule: dict, labels: dict[str, str]) -> bool:
+    return any("podSelector" in peer and "namespaceSelector" not in peer
+               and _selects(peer["podSelector"]["matchLabels"], labels) for peer in rule.get("from", []))  # fmt: skip
+
+
+def test_only_envoy_reaches_kvgate_and_only_kvgate_reaches_redis(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["static-with-bridges"])
+    envoy, gateway, bridge = (_pod_labels(docs, s) for s in ("-envoy", "-gateway", "-bridge"))
+    redis = _pod_labels(docs, "-redis", "StatefulSet")
+
+    gw_policy = one(docs, "NetworkPolicy", "-gateway")
+    assert _selects(gw_policy["spec"]["podSelector"]["matchLabels"], gateway)
+    (ext_proc_rule,) = [r for r in gw_policy["spec"]["ingress"] if r["ports"][0]["port"] == 9002]
+    assert _admits(ext_proc_rule, envoy)
+    assert not any(_admits(ext_proc_rule, labels) for labels in (gateway, bridge, redis, {"app": "vllm"}))
+
+    redis_policy = one(docs, "NetworkPolicy", "-redis")
+    assert _selects(redis_policy["spec"]["podSelector"]["matchLabels"], redis)
+    (rule,) = redis_policy["spec"]["ingress"]
+    assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    assert _admits(rule, gateway) and _admits(rule, bridge)
+    assert not _admits(rule, envoy) and not _admits(rule, {"app": "vllm"})
+    labels_for_engines = yaml.safe_load(one(docs, "ConfigMap", "-bridge-sidecar")["data"]["pod-labels.yaml"])
+    assert _admits(rule, {"app": "vllm", **labels_for_engines})  # engines carrying the sidecar
+
+
+def test_gateway_scales_horizontally_and_keeps_replicas_through_disruptions(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["defaults"])
+    deployment = one(docs, "Deployment", "-gateway")
+    assert "replicas" not in deployment["spec"]  # the HPA owns the count
+    hpa = one(docs, "HorizontalPodAutoscaler", "-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["minReplicas"] >= 2
+    for suffix in ("-gateway", "-envoy"):
+        pdb = one(docs, "PodDisruptionBudget", suffix)
+        assert _selects(pdb["spec"]["selector"]["matchLabels"], _pod_labels(docs, suffix))
+    minimal = render(chart, VALUE_SETS["minimal"])
+    assert one(minimal, "Deployment", "-gateway")["spec"]["replicas"] == 1
+    assert not [d for d in minimal if d["kind"] in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "StatefulSet")]
+
+
+def test_discovery_gets_read_only_access_to_the_engines_namespace(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["discovery-pods"])
+    role = one(docs, "Role", "-discovery")
+    assert role["metadata"]["namespace"] == "engines"
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    binding = one(docs, "RoleBinding", "-discovery")
+    pod = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": NAMESPACE}]
+    assert pod["automountServiceAccountToken"] is True
+    default_role = one(render(chart, VALUE_SETS["defaults"]), "Role", "-discovery")
+    assert default_role["rules"][0]["resources"] == ["endpointslices"]
+    minimal = render(chart, VALUE_SETS["minimal"])
+    assert not [d for d in minimal if d["kind"] in ("Role", "RoleBinding")]
+    assert one(minimal, "Deployment", "-gateway")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_bridges_write_where_the_gateway_reads(chart: Any) -> None:
+    docs = render(chart, VALUE_SETS["static-with-bridges"])
+    cfg = yaml.safe_load(gateway_config_text(docs))
+    sidecar = sidecar_snippet(docs)
+    standalone = one(docs, "Deployment", "-bridge")["spec"]["template"]["spec"]["containers"][0]
+    for c in (sidecar, standalone):
+        args = c["args"]
+        opt = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
+        assert args[0] == "bridge" and opt["--directory"] == "$(KVGATE_DIRECTORY__URL)"
+        assert opt["--model"] == cfg["models"][0] and opt["--block-size"] == str(cfg["block_size"])
+        assert opt["--key-prefix"] == cfg["directory"]["key_prefix"]
+        assert opt["--heartbeat-ttl"] == "6"
+        env = {e["name"]: e for e in c["env"]}
+        assert env["KVGATE_DIRECTORY__URL"]["value"].endswith(f"{RELEASE}-kvgate-redis.{NAMESPACE}.svc.cluster.local:6379/0")
+    engines = [sidecar["args"][i + 1] for i, a in enumerate(sidecar["args"]) if a == "--engine"]
+    assert engines == ["node_id=$(POD_NAME),address=$(POD_IP):8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558"]
+    engines = [standalone["args"][i + 1] for i, a in enumerate(standalone["args"]) if a == "--engine"]
+    assert engines == [
+        "node_id=n1,address=10.0.0.11:8000,events=tcp://10.0.0.11:5557,replay=tcp://10.0.0.11:5558",
+        "node_id=n2,address=10.0.0.12:8000,events=tcp://10.0.0.12:5557",
+    ]
+    from workers.bridge import parse_engine_spec
+
+    assert [parse_engine_spec(e).node_id for e in engines] == ["n1", "n2"]
+
+
+# --- bad values fail the install with a clear message ---------------------------------------------
+
+
+BAD_VALUES = [
+    ({"gateway": {"replicas": "two"}}, ["/gateway/replicas", "want integer"]),
+    ({"gatewy": {"replicas": 2}}, ["additional properties 'gatewy' not allowed"]),
+    ({"redis": {"mode": "external", "external": {"url": "redis://:hunter2@redis:6379/0"}}}, ["/redis/external/url", "does not match pattern"]),
+    ({"redis": {"mode": "sentinel"}}, ["/redis/mode", "must be one of 'bundled', 'external', 'none'"]),
+    ({"gateway": {"policy": {"name": "fastest"}}}, ["/gateway/policy/name"]),
+    ({"gateway": {"integration": "grpc"}}, ["/gateway/integration"]),
+    ({"blockSize": 0}, ["/blockSize", "minimum"]),
+    ({"fleet": {"discovery": {"port": "HTTP_PORT"}}}, ["/fleet/discovery/port"]),
+    ({"fleet": {"static": [{"node_id": "n1", "address": "vllm-0:8000"}]}}, ["/fleet/static/0/address"]),
+    ({"envoy": {"messageTimeoutMs": 0}}, ["/envoy/messageTimeoutMs"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad,expected", BAD_VALUES)
+def test_schema_rejects_bad_values_naming_the_field(chart: Any, bad: dict, expected: list[str]) -> None:
+    values = {"models": [MODEL], **bad}
+    with pytest.raises(helm.HelmValuesError) as err:
+        chart.render(values=values, name=RELEASE, namespace=NAMESPACE)
+    for part in expected:
+        assert part in str(err.value)
+
+
+BAD_COMBINATIONS = [
+    ({}, "KV events are keyed by model name: set models"),
+    ({"models": [MODEL], "redis": {"mode": "none"}}, "redis.mode=none keeps the directory in one gateway's memory"),
+    ({"models": [MODEL], "redis": {"mode": "external"}}, "redis.mode=external needs redis.external.url"),
+    ({"models": [MODEL], "bridge": {"sidecar": {"enabled": True}}}, "with fleet.discovery the gateway registers"),
+    ({"models": [MODEL], "fleet": {"discovery": {"enabled": False}}}, "no fleet: list nodes in fleet.static"),
+    ({"models": [MODEL], "fleet": {"discovery": {"source": "pods"}}}, "needs fleet.discovery.labelSelector"),
+    ({"models": [MODEL], "fleet": {"discovery": {"port": "http"}}}, "envoy needs a fallback cluster"),
+    ({"models": [MODEL], "fleet": {"discovery": {"enabled": False}, "static": [{"node_id": "a", "address": "10.0.0.1:80"}]},
+      "bridge": {"standalone": {"enabled": True}}}, "bridge.standalone.enabled needs bridge.standalone.engines"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("values,message", BAD_COMBINATIONS)
+def test_contradicting_values_fail_with_what_to_change(chart: Any, values: dict, message: str) -> None:
+    with pytest.raises(helm.HelmRenderError, match=re.escape(message)):
+        chart.render(values=copy.deepcopy(values), name=RELEASE, namespace=NAMESPACE)
+
+
+def test_schema_knows_every_policy_kvgate_has(chart: Any) -> None:
+    schema = chart.schema
+    assert schema is not None
+    names = schema["properties"]["gateway"]["properties"]["policy"]["properties"]["name"]["enum"]
+    assert sorted(names) == sorted(POLICY_NAMES)
