@@ -17,7 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("workers.engine.cli", "run a simulated inference engine (OpenAI API, KV events)"),
     "bridge": ("workers.bridge_cmd", "forward engines' KV events into the directory"),
     "bench": ("gateway.bench_cmd", "measure what the gateway costs per request"),
-    "demo": ("gateway.demo_cmd", "end-to-end demo: Envoy + kvgate + a fleet, requests following their prefix"),
+    "demo": ("loadtest.demo", "the headline experiment at demo scale: 8 nodes, multi-turn chats, round-robin vs kvgate"),
+    "loadtest": ("loadtest.cli", "replay traffic through a fleet under several policies, or simulate one"),
 }
 
 

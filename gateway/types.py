@@ -22,6 +22,10 @@ class RoutingRequest:
     total_blocks: int  # full blocks of the prompt (len(keys))
     block_size: int
     request_id: str = ""
+    affinity: int = 0
+    """Spreads ties: equally good nodes are ordered by a hash of (node, affinity). The gateway
+    passes the prompt's last block key, so distinct conversations spread over idle nodes while
+    the same prompt always prefers the same one (and finds its own blocks there next turn)."""
 
 
 @dataclass(frozen=True, slots=True)

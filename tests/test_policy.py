@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Tier
@@ -67,7 +69,7 @@ def test_saturated_owner_gets_a_second_copy_on_an_idle_node(profile):
     v = view(node(1), node(2, 512, **saturated(profile)), node(3))
     d = make_policy("kvgate", link="tcp").decide(request(), v, profile, now=0.0)
     assert d.outcome == "pull"
-    assert d.node.node_id == "n1"  # n1 and n3 tie exactly: least loaded, then node_id
+    assert d.node.node_id in ("n1", "n3")  # n1 and n3 tie exactly: the spread hash picks one
     assert d.pull == PullPlan(source_node_id="n2", source_endpoint="10.0.0.2:9100", blocks=512)
     host, port = d.pull.source_endpoint.rsplit(":", 1)  # ready for x-kv-cache-source-host-port
     assert host == "10.0.0.2" and port.isdigit()
@@ -135,11 +137,24 @@ def test_cpu_tier_hit_costs_its_load_time(profile):
     assert cpu.total_s > gpu.total_s
 
 
-def test_exact_ties_go_to_the_least_loaded_then_node_id(profile):
+def test_exact_ties_go_to_the_least_loaded_then_spread_by_prompt(profile):
     v = view(node(1, inflight=1), node(2), node(3))
     d = make_policy("kvgate").decide(request(), v, profile, now=0.0)
-    assert d.node.node_id == "n2"
-    assert d.fallbacks == ("10.0.0.3:8000", "10.0.0.1:8000")
+    assert d.node.node_id in ("n2", "n3")  # the busy n1 is never first
+    assert d.fallbacks[-1] == "10.0.0.1:8000"
+
+
+@pytest.mark.parametrize("policy", ["kvgate", "kvgate_nopull", "prefix_only", "least_request"])
+def test_ties_between_idle_nodes_spread_over_prompts_and_stick_per_prompt(profile, policy):
+    """New conversations must not all land on the first idle node (the imbalance a node_id
+    tie-break caused), and one prompt must keep landing on the same node."""
+    v = view(*(node(i) for i in range(1, 9)))
+    p = make_policy(policy)
+    chosen = [p.decide(replace(request(), affinity=a), v, profile, now=0.0).node.node_id for a in range(400)]
+    counts = {n: chosen.count(n) for n in set(chosen)}
+    assert len(counts) == 8 and max(counts.values()) < 2 * 400 / 8
+    again = [p.decide(replace(request(), affinity=a), v, profile, now=0.0).node.node_id for a in range(400)]
+    assert again == chosen
 
 
 def test_near_ties_within_tolerance_go_to_the_less_loaded(profile):

@@ -7,7 +7,7 @@ prefix spreads: once its owner is saturated, a copy to an idle node is cheaper t
 queue, and the next request finds two owners.
 
 Decisions that differ by less than ``tie_tolerance_s`` (1 ms) are ties, broken towards the less
-loaded node, then by node_id: the model is not accurate to a millisecond, and spreading near-equal
+loaded node, then by a hash of (node, prompt) (``base.spread``): the model is not accurate to a millisecond, and spreading near-equal
 work is what keeps queues short. For the same reason a node only pulls when the pull beats its
 own recompute by more than the tolerance.
 """
@@ -77,11 +77,11 @@ class KvgatePolicy:
         costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
-        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1)
+        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity)
         chosen_i = top[0]
         fallbacks = distinct_addresses((nodes[i] for i in top), nodes[chosen_i], self.fallbacks)
         if len(fallbacks) < self.fallbacks and len(top) < len(nodes):  # repeated addresses: rank all
-            everyone = rank_candidates(costs, nodes, tol, len(nodes))
+            everyone = rank_candidates(costs, nodes, tol, len(nodes), request.affinity)
             fallbacks = distinct_addresses((nodes[i] for i in everyone), nodes[chosen_i], self.fallbacks)
 
         chosen, chosen_view = costs[chosen_i], nodes[chosen_i]
@@ -110,17 +110,19 @@ class KvgatePolicy:
         )
 
 
-def rank_candidates(costs: list[CandidateCost], nodes: tuple[NodeView, ...], tol: float, count: int) -> list[int]:
+def rank_candidates(
+    costs: list[CandidateCost], nodes: tuple[NodeView, ...], tol: float, count: int, affinity: int = 0
+) -> list[int]:
     """Indices of the best ``count`` candidates, best first.
 
-    Costs within ``tol`` of the cheapest are tied and ordered least loaded first (then node_id);
-    the others follow by cost (then node_id, the view's order).
+    Costs within ``tol`` of the cheapest are tied and ordered least loaded first (then by the
+    spread hash); the others follow by cost (then node_id, the view's order).
     """
     totals = [c.total_s for c in costs]
     floor = min(totals) + tol
     tied = [i for i, t in enumerate(totals) if t <= floor]
     if len(tied) > 1:
-        tied.sort(key=lambda i: load_rank(nodes[i]))
+        tied.sort(key=lambda i: load_rank(nodes[i], affinity))
     if len(tied) >= count:
         return tied[:count]
     others = (i for i, t in enumerate(totals) if t > floor)

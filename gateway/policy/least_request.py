@@ -7,7 +7,7 @@ tokens, then node_id.
 
 from __future__ import annotations
 
-from directory_client.types import DirectoryView
+from directory_client.types import DirectoryView, NodeView
 from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, describe, load_rank, no_nodes, ranked_fallbacks
 from gateway.policy.cost_model import TtftEstimator
 from gateway.profile import HardwareProfile
@@ -27,7 +27,10 @@ class LeastRequestPolicy:
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
-        i = min(range(len(nodes)), key=lambda j: load_rank(nodes[j]))
+        def rank(nv: NodeView) -> tuple[int, int, int, str]:
+            return load_rank(nv, request.affinity)
+
+        i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))
         chosen = nodes[i]
         est = TtftEstimator(profile, request)
         costs = tuple(est.node_costs(nodes))
@@ -36,7 +39,7 @@ class LeastRequestPolicy:
             policy=self.name,
             outcome="balanced",
             node=chosen.node,
-            fallbacks=ranked_fallbacks(nodes, load_rank, chosen, self.fallbacks),
+            fallbacks=ranked_fallbacks(nodes, rank, chosen, self.fallbacks),
             expected_cached_tokens=est.cached_tokens(chosen.cached_blocks),
             candidates=costs,
             reason=(

@@ -3,20 +3,20 @@
 This is what a prefix-aware router does when it only scores matches (and what kvgate degenerates
 to when load is ignored). It shows, in a load test, why the queue term matters: a hot prefix
 piles up on one node. Ties (including "nobody has anything") go to the less loaded node, then
-node_id.
+by the spread hash of (node, prompt).
 """
 
 from __future__ import annotations
 
 from directory_client.types import DirectoryView, NodeView
-from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, describe, no_nodes, ranked_fallbacks
+from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, describe, load_rank, no_nodes, ranked_fallbacks
 from gateway.policy.cost_model import TtftEstimator
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
 
 
-def _prefix_rank(nv: NodeView) -> tuple[int, int, int, str]:
-    return (-nv.cached_blocks, nv.load.inflight, nv.load.prefill_tokens, nv.node.node_id)
+def _prefix_rank(nv: NodeView, affinity: int) -> tuple[int, int, int, int, str]:
+    return (-nv.cached_blocks, *load_rank(nv, affinity))
 
 
 class PrefixOnlyPolicy:
@@ -32,7 +32,10 @@ class PrefixOnlyPolicy:
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
-        i = min(range(len(nodes)), key=lambda j: _prefix_rank(nodes[j]))
+        def rank(nv: NodeView) -> tuple[int, int, int, int, str]:
+            return _prefix_rank(nv, request.affinity)
+
+        i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))
         chosen = nodes[i]
         est = TtftEstimator(profile, request)
         costs = tuple(est.node_costs(nodes))
@@ -47,7 +50,7 @@ class PrefixOnlyPolicy:
             policy=self.name,
             outcome="owner" if hit else "balanced",
             node=chosen.node,
-            fallbacks=ranked_fallbacks(nodes, _prefix_rank, chosen, self.fallbacks),
+            fallbacks=ranked_fallbacks(nodes, rank, chosen, self.fallbacks),
             expected_cached_tokens=est.cached_tokens(chosen.cached_blocks),
             candidates=costs,
             reason=f"{head}; est. {describe(mine)}",

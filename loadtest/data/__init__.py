@@ -1,0 +1,1 @@
+"""Data shipped with the load tests (see README.md here)."""

@@ -1,0 +1,51 @@
+"""Policy names the load tests accept, and what runs each one.
+
+In ``replay`` every policy is a real gateway in front of the same engines:
+
+| name | gateway |
+|---|---|
+| ``round_robin``, ``least_request`` | Envoy's own balancing (no ext_proc): what a fleet gets without kvgate |
+| ``prefix_only``, ``kvgate``, ``kvgate_nopull`` | Envoy + ext_proc + ``kvgate serve`` with that policy |
+| ``sglang`` | the ``sglang-router`` package, ``--policy cache_aware`` (a real peer) |
+
+In ``simulate`` the names are ``gateway.policy.POLICY_NAMES`` (the same classes ``kvgate serve``
+runs; ``round_robin`` and ``least_request`` are then kvgate's implementations of them) plus
+``oracle``: an infinite shared cache, every block computed before anywhere is a hit — the ceiling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.policy import POLICY_NAMES
+
+
+@dataclass(frozen=True)
+class ReplayGateway:
+    kind: str  # envoy | kvgate | sglang
+    lb_policy: str = ""
+    policy: str = ""
+
+
+REPLAY_POLICIES: dict[str, ReplayGateway] = {
+    "round_robin": ReplayGateway("envoy", lb_policy="ROUND_ROBIN"),
+    "least_request": ReplayGateway("envoy", lb_policy="LEAST_REQUEST"),
+    "prefix_only": ReplayGateway("kvgate", policy="prefix_only"),
+    "kvgate": ReplayGateway("kvgate", policy="kvgate"),
+    "kvgate_nopull": ReplayGateway("kvgate", policy="kvgate_nopull"),
+    "sglang": ReplayGateway("sglang", policy="cache_aware"),
+}
+
+ORACLE = "oracle"
+SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, ORACLE)
+
+
+def parse_policies(text: str, allowed: tuple[str, ...] | list[str]) -> list[str]:
+    """``"round_robin,kvgate"`` → a checked list, in the order given, without repeats."""
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [n for n in names if n not in allowed]
+    if unknown:
+        raise ValueError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(allowed)}")
+    if not names:
+        raise ValueError("no policy given")
+    return list(dict.fromkeys(names))

@@ -1,0 +1,38 @@
+"""One measured request, the same shape whether it ran on real processes or in the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadtest.workloads.base import RequestSpec
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request. Times are seconds; ``sent_at`` is from the start of the run."""
+
+    spec: RequestSpec
+    sent_at: float
+    ttft_s: float | None = None  # first streamed chunk (None: no token came back)
+    e2e_s: float | None = None
+    status: int = 0  # HTTP status (200 in the simulator)
+    error: str | None = None
+    node: str = ""  # x-kvgate-node of the answering engine
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prefix hit reported by the engine (local + pulled)
+    pulled_tokens: int = 0  # of those, fetched from another node before prefill
+    output_tokens: int = 0
+    reply: str = ""
+    seen_tokens: int = 0  # prefix an earlier request of the run had already sent (filled after the run)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200
+
+    @property
+    def session_id(self) -> str:
+        return self.spec.session_id
+
+    @property
+    def turn(self) -> int:
+        return self.spec.turn

@@ -1,0 +1,1 @@
+"""The discrete-event simulator behind ``kvgate loadtest simulate`` (see simulator.py)."""

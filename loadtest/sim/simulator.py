@@ -1,0 +1,327 @@
+"""Discrete-event simulation of a fleet behind one routing policy: no processes, no sleeping.
+
+What runs is production code: the gateway's policy (``make_policy(name).decide(..., now=t)``), the
+engines' ``PrefixCache`` + ``Scheduler`` (one ``SimNode`` each), the reply sampler and request
+validation of the simulated engine, the tokenizer and block keys of the gateway. The simulator
+owns only the clock and the event queue:
+
+- a session's turn *arrives* → the request is tokenized, looked up, decided, its load reserved
+  (as ``RoutingCore`` does), and handed to the chosen node (after the transfer time when the
+  decision pulls);
+- a node runs one scheduler step at a time; a step's *end* applies it (``Scheduler.complete``),
+  records first tokens and finished requests, releases their load, feeds the cache events to the
+  directory, and schedules the session's next turn after its think time.
+
+The directory view (``view="directory"``, the default) comes from the real ``InProcessDirectory``
+on the virtual clock, fed by the bridge's event translation (``feed.py``) and with the gateway's
+index stride, so the policy sees what ``kvgate serve`` would see. ``view="engines"`` builds it
+from the engines' caches directly by the same rules (longest cached prefix per node, loads from
+the directory's reservations) without the stride sampling: exact, and faster on huge traces.
+
+The ``oracle`` policy is the ceiling: an infinite shared cache. Every block any node computed
+before is a hit: the chosen node (least loaded) is given the request's already-seen prefix at no
+cost before it runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from directory_client.memory import InProcessDirectory
+from directory_client.sampling import DEFAULT_INDEX_STRIDE
+from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Reservation, Tier
+from gateway.policy import make_policy
+from gateway.profile import HardwareProfile
+from gateway.types import RoutingRequest
+from loadtest.accounting import SeenBlocks, hit_cap_blocks
+from loadtest.policies import ORACLE
+from loadtest.records import RequestRecord
+from loadtest.sim.feed import DirectoryFeed
+from loadtest.sim.node import SimNode
+from loadtest.sim.sync import run_now
+from loadtest.workloads.base import Session, Workload
+from tokenizer import PromptTokenizer
+from tokenizer.keys import namespace_seed
+from workers.engine.kv_cache import BlocksStored, CacheEvent, root_hash
+from workers.engine.openai_api import APIError, generation_options
+from workers.engine.sampling import ReplySampler
+from workers.engine.scheduler import SimRequest
+
+ARRIVE, SUBMIT, STEP_END = 0, 1, 2
+FOREVER_S = 1e12  # heartbeat TTL: simulated nodes never miss a heartbeat
+
+
+@dataclass
+class SimConfig:
+    policy: str
+    nodes: int
+    profile: HardwareProfile
+    capacity_blocks: int | None = None  # None: the profile's
+    view: str = "directory"  # or "engines"
+    pull_link: str | None = None  # None: nodes have no transfer agents (as in replay); "tcp"/"rdma"
+    max_requests: int | None = None
+    duration_s: float = float("inf")  # no arrival after this (virtual seconds)
+    default_max_tokens: int = 16
+
+
+@dataclass(slots=True)
+class _Ctx:
+    """One request in flight: its record, engine request, reservation, session state."""
+
+    session: Session
+    replies: list[str]
+    record: RequestRecord
+    sim: SimRequest
+    node: SimNode
+    arrival: float
+    reservation: Reservation | None
+    pulled_blocks: int = 0
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]
+    wall_s: float  # virtual seconds from the first arrival to the last finish
+    busy_s: dict[str, float]
+    decision_s: list[float]  # real CPU seconds of lookup + decide per request
+    cpu_s: float  # real seconds the simulation took
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(self, workload: Workload, config: SimConfig, tokenizer: PromptTokenizer | None) -> None:
+        if config.view not in ("directory", "engines"):
+            raise ValueError("view must be 'directory' or 'engines'")
+        self.workload = workload
+        self.cfg = config
+        self.profile = p = config.profile
+        self.bs = p.block_size
+        self.tokenizer = tokenizer
+        self.now = 0.0
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        capacity = config.capacity_blocks or p.kv_capacity_blocks
+        self.max_model_len = min(p.max_model_len, capacity * self.bs)
+        transfer = config.pull_link is not None
+        self.nodes = [
+            SimNode.build(
+                NodeInfo(f"n{i + 1}", f"10.0.{i // 250}.{i % 250 + 1}:8000",
+                         transfer_endpoint=f"10.0.{i // 250}.{i % 250 + 1}:9100" if transfer else "",
+                         capacity_blocks=capacity, model=workload.model),
+                p, capacity,
+            )
+            for i in range(config.nodes)
+        ]
+        self.by_id = {n.node_id: n for n in self.nodes}
+        self.directory = InProcessDirectory(
+            heartbeat_ttl_s=FOREVER_S, index_stride=DEFAULT_INDEX_STRIDE, max_request_s=FOREVER_S,
+            dead_node_retention_s=FOREVER_S, clock=lambda: self.now,
+        )
+        for n in self.nodes:
+            run_now(self.directory.register_node(n.info))
+        self.feeds = {n.node_id: DirectoryFeed(n.node_id, self.directory, model=workload.model, block_size=self.bs)
+                      for n in self.nodes}
+        self.oracle = config.policy == ORACLE
+        if self.oracle:
+            self.policy = make_policy("least_request")
+        elif config.policy in ("kvgate", "kvgate_nopull") and config.pull_link:
+            self.policy = make_policy(config.policy, link=config.pull_link)
+        else:
+            self.policy = make_policy(config.policy)
+        self.seen_hashes: set[int] = set()  # every engine block computed anywhere (the oracle's cache)
+        encode = (lambda s: tokenizer.encode_text(s, add_special_tokens=False)) if tokenizer else None
+        self.sampler = ReplySampler.from_encoder(encode) if encode else ReplySampler(np.arange(1000, 1400))
+        self.root = root_hash()
+        self.key_seed = namespace_seed(workload.model)
+        self.records: list[RequestRecord] = []
+        self.decision_s: list[float] = []
+        self.sent = 0
+        self.prompt_seen = SeenBlocks()
+        self.last_finish = 0.0
+        self._pending: dict[str, _Ctx] = {}  # request_id -> context, while on a node
+
+    # -- queue -------------------------------------------------------------------------------
+
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def run(self, on_request: Callable[[], None] | None = None) -> SimResult:
+        t_cpu = time.perf_counter()
+        for s in self.workload.sessions:
+            if s.start_s <= self.cfg.duration_s:
+                self._push(s.start_s, ARRIVE, (s, 1, []))
+        heap = self._heap
+        while heap:
+            t, _, kind, payload = heapq.heappop(heap)
+            self.now = t
+            if kind == STEP_END:
+                self._step_end(payload, on_request)
+            elif kind == ARRIVE:
+                self._arrive(*payload, on_request=on_request)
+            else:
+                self._submit(*payload)
+        first = min((r.sent_at for r in self.records), default=0.0)
+        return SimResult(
+            sorted(self.records, key=lambda r: r.sent_at),
+            max(self.last_finish - first, 0.0),
+            {n.node_id: n.scheduler.counters.busy_s for n in self.nodes},
+            self.decision_s,
+            time.perf_counter() - t_cpu,
+            {"preemptions": sum(n.scheduler.counters.preemptions for n in self.nodes)},
+        )
+
+    # -- a turn arrives at the gateway -------------------------------------------------------
+
+    def _prompt_ids(self, spec) -> tuple[np.ndarray, str]:  # type: ignore[no-untyped-def]
+        if spec.prompt_ids is not None:
+            return spec.prompt_ids, spec.body["model"]
+        if self.tokenizer is None:
+            raise ValueError("this workload has text prompts: the simulator needs the tokenizer")
+        tp = self.tokenizer.tokenize_body(spec.path, spec.body)
+        return tp.token_ids, tp.model
+
+    def _arrive(self, session: Session, turn: int, replies: list[str], on_request) -> None:  # type: ignore[no-untyped-def]
+        cfg, now, bs = self.cfg, self.now, self.bs
+        if now > cfg.duration_s or (cfg.max_requests is not None and self.sent >= cfg.max_requests):
+            return
+        self.sent += 1
+        spec = session.request(turn, replies)
+        rec = RequestRecord(spec, now)
+        ids, model = self._prompt_ids(spec)
+        n = len(ids)
+        rec.prompt_tokens = n
+        prompt_blocks = n // bs
+        try:
+            opts = generation_options(
+                spec.body, chat=spec.path.endswith("chat/completions"), prompt_tokens=n,
+                max_model_len=self.max_model_len, default_max_tokens=cfg.default_max_tokens,
+            )
+        except APIError as e:
+            rec.status, rec.error = e.status, e.message
+            self.records.append(rec)
+            if on_request:
+                on_request()
+            return
+        reply = self.sampler.reply(ids, opts.max_tokens, ignore_eos=opts.ignore_eos, min_tokens=opts.min_tokens)
+        sim = SimRequest.create(
+            f"{spec.session_id}/{turn}", ids, reply, block_size=bs, root_hash=self.root, key_seed=self.key_seed, arrival=now
+        )
+        cap = hit_cap_blocks(n, bs)
+        rec.seen_tokens = min(self.prompt_seen.observe(sim.keys[:prompt_blocks]), cap) * bs
+
+        t0 = time.perf_counter()
+        view = self._view(sim, prompt_blocks)
+        request = RoutingRequest(model=model, prompt_tokens=n, total_blocks=prompt_blocks, block_size=bs,
+                                 request_id=sim.request_id)
+        decision = self.policy.decide(request, view, self.profile, now=now)
+        self.decision_s.append(time.perf_counter() - t0)
+        assert decision.node is not None, "the simulated fleet always has live nodes"
+        node = self.by_id[decision.node.node_id]
+        reservation = run_now(self.directory.reserve(node.node_id, max(n - decision.expected_cached_tokens, 0)))
+        ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
+
+        if self.oracle:
+            seen = 0
+            for h in sim.hashes[:cap]:
+                if h not in self.seen_hashes:
+                    break
+                seen += 1
+            if seen:
+                _, events = node.insert_prefix(sim, seen, now)
+                self._events(node, events)
+        elif decision.pull is not None:
+            src = self.by_id[decision.pull.source_node_id]
+            upto = min(decision.pull.blocks, cap, src.cached_blocks(sim, cap))
+            local = node.cached_blocks(sim, upto)
+            if upto > local:
+                assert cfg.pull_link is not None
+                delay = self.profile.transfer_seconds((upto - local) * bs, cfg.pull_link)
+                ctx.pulled_blocks = upto
+                self._push(now + delay, SUBMIT, (ctx,))
+                return
+        self._submit(ctx)
+
+    def _view(self, sim: SimRequest, prompt_blocks: int) -> DirectoryView:
+        if self.cfg.view == "directory":
+            return run_now(self.directory.lookup(sim.keys[:prompt_blocks]))
+        loads = run_now(self.directory.loads())
+        hashes = sim.hashes[:prompt_blocks]
+        idle = NodeLoad()
+        return DirectoryView(tuple(
+            NodeView(n.info, n.cache.match(hashes), Tier.GPU, loads.get(n.node_id, idle)) for n in self.nodes
+        ))
+
+    # -- the node side -----------------------------------------------------------------------
+
+    def _submit(self, ctx: _Ctx) -> None:
+        node, now = ctx.node, self.now
+        if ctx.pulled_blocks:
+            added, events = node.insert_prefix(ctx.sim, ctx.pulled_blocks, now)
+            self._events(node, events)
+            ctx.pulled_blocks = added
+        node.scheduler.add(ctx.sim)
+        self._pending[ctx.sim.request_id] = ctx
+        if node.step is None:
+            self._start_step(node)
+
+    def _start_step(self, node: SimNode) -> None:
+        step = node.scheduler.schedule(self.now)
+        node.step = step
+        if step is not None:
+            self._push(self.now + step.duration_s, STEP_END, node)
+
+    def _events(self, node: SimNode, events: list[CacheEvent]) -> None:
+        if not events:
+            return
+        if self.oracle:
+            for ev in events:
+                if isinstance(ev, BlocksStored):
+                    self.seen_hashes.update(ev.block_hashes)
+        if self.cfg.view == "directory":
+            self.feeds[node.node_id].apply(events)
+
+    def _step_end(self, node: SimNode, on_request) -> None:  # type: ignore[no-untyped-def]
+        now = self.now
+        step = node.step
+        assert step is not None
+        result = node.scheduler.complete(step, now)
+        self._events(node, result.events)
+        pending = self._pending
+        for out in result.outputs:
+            if out.generated == 1:
+                ctx = pending[out.request.request_id]
+                ctx.record.ttft_s = now - ctx.arrival
+        for r in result.finished:
+            ctx = pending.pop(r.request_id)
+            self._finish(ctx, now, on_request)
+        node.step = None
+        if node.scheduler.has_work():
+            self._start_step(node)
+
+    def _finish(self, ctx: _Ctx, now: float, on_request) -> None:  # type: ignore[no-untyped-def]
+        r, rec = ctx.sim, ctx.record
+        rec.status = 200
+        rec.e2e_s = now - ctx.arrival
+        rec.node = ctx.node.node_id
+        rec.cached_tokens = max(r.cached_tokens, 0)
+        rec.pulled_tokens = min(ctx.pulled_blocks * self.bs, rec.cached_tokens)
+        rec.output_tokens = r.generated
+        if ctx.reservation is not None:
+            run_now(self.directory.release(ctx.reservation))
+        self.records.append(rec)
+        self.last_finish = max(self.last_finish, now)
+        if on_request:
+            on_request()
+        s = ctx.session
+        turn = rec.turn
+        if turn < s.turns:
+            text = self.tokenizer.decode(r.tokens[r.num_prompt : r.num_prompt + r.generated]) if self.tokenizer else ""
+            rec.reply = text
+            self._push(now + s.think_s(turn + 1), ARRIVE, (s, turn + 1, [*ctx.replies, text]))

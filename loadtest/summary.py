@@ -1,0 +1,111 @@
+"""Per-policy figures from request records (DESIGN.md §6), one function for replay and simulate.
+
+Definitions:
+- ``hit_rate`` = cached prompt tokens ÷ prompt tokens over successful requests (``_local``: found
+  on the serving node, ``_pulled``: fetched from another node first);
+- ``redundant_prefill_frac`` = prefill of tokens an earlier request had already sent ÷ all prefill
+  (``accounting.py``);
+- TTFT percentiles over successful requests, overall and per turn (1-based);
+- ``throughput_tok_s`` = output tokens ÷ wall time of the run, ``requests_per_s`` likewise;
+- ``imbalance`` = max ÷ mean over nodes of busy time (modelled GPU seconds; request counts when
+  busy time is not known), 1.0 = perfectly even.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from loadtest.records import RequestRecord
+
+PCTS = (50, 90, 99)
+
+
+def _pcts_ms(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{p}": None for p in PCTS}
+    arr = np.asarray(values) * 1000.0
+    return {f"p{p}": float(np.percentile(arr, p)) for p in PCTS}
+
+
+def imbalance(per_node: Mapping[str, float]) -> float | None:
+    """max/mean of a per-node quantity (None without nodes or without any work)."""
+    vals = list(per_node.values())
+    if not vals or sum(vals) <= 0:
+        return None
+    return max(vals) / (sum(vals) / len(vals))
+
+
+def summarize(
+    records: Sequence[RequestRecord],
+    *,
+    wall_s: float,
+    busy_s: Mapping[str, float] | None = None,
+    nodes: Sequence[str] = (),
+    decision_ms: Mapping[str, float | None] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The JSON-ready figures of one policy's run (schema in loadtest/README.md)."""
+    ok = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    pulled = sum(r.pulled_tokens for r in ok)
+    prefilled = sum(max(r.prompt_tokens - r.cached_tokens, 0) for r in ok)
+    redundant = sum(max(r.seen_tokens - r.cached_tokens, 0) for r in ok)
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    overall = _pcts_ms(ttfts)
+
+    by_turn: dict[int, list[float]] = defaultdict(list)
+    for r in ok:
+        if r.ttft_s is not None:
+            by_turn[r.turn].append(r.ttft_s)
+    turn_stats = {
+        str(t): {"requests": len(v), **{f"ttft_{k}_ms": x for k, x in _pcts_ms(v).items()}}
+        for t, v in sorted(by_turn.items())
+    }
+
+    counts = Counter(r.node for r in ok if r.node)
+    for n in nodes:
+        counts.setdefault(n, 0)
+    busy = dict(busy_s) if busy_s else {}
+    basis = "busy_seconds" if busy and sum(busy.values()) > 0 else "requests"
+    imb = imbalance(busy) if basis == "busy_seconds" else imbalance({k: float(v) for k, v in counts.items()})
+    wall = max(wall_s, 1e-9)
+    errors = [r.error or f"HTTP {r.status}" for r in records if not r.ok]
+    out: dict[str, Any] = {
+        "requests": len(records),
+        "ok": len(ok),
+        "errors": len(errors),
+        "error_examples": sorted(set(errors))[:3],
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": cached / prompt if prompt else 0.0,
+        "hit_rate_local": (cached - pulled) / prompt if prompt else 0.0,
+        "hit_rate_pulled": pulled / prompt if prompt else 0.0,
+        "redundant_prefill_frac": redundant / prefilled if prefilled else 0.0,
+        "ttft_p50_ms": overall["p50"],
+        "ttft_p90_ms": overall["p90"],
+        "ttft_p99_ms": overall["p99"],
+        "ttft_by_turn": turn_stats,
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "throughput_tok_s": sum(r.output_tokens for r in ok) / wall,
+        "requests_per_s": len(ok) / wall,
+        "wall_s": wall_s,
+        "imbalance": imb,
+        "imbalance_basis": basis,
+        "per_node_requests": dict(sorted(counts.items())),
+        "per_node_busy_s": dict(sorted(busy.items())),
+        "decision_p50_ms": (decision_ms or {}).get("p50"),
+        "decision_p99_ms": (decision_ms or {}).get("p99"),
+    }
+    if extra:
+        out.update(extra)
+    return out
+
+
+def ttft_samples_ms(records: Sequence[RequestRecord]) -> list[float]:
+    """Every successful request's TTFT in ms (for CDF plots)."""
+    return [r.ttft_s * 1000.0 for r in records if r.ok and r.ttft_s is not None]

@@ -1,0 +1,112 @@
+"""Workloads are deterministic and bounded, and the trace keeps its prefix structure."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loadtest.workloads.chat import chat_workload
+from loadtest.workloads.shared_prefix import shared_prefix_workload
+from loadtest.workloads.trace import TRACE_BLOCK_TOKENS, TraceRecord, load_trace, prompt_tokens, trace_workload
+from tokenizer import PromptTokenizer
+
+DATA = Path(__file__).resolve().parents[1] / "loadtest" / "data"
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer()
+
+
+def _count(tok: PromptTokenizer):
+    return lambda s: len(tok.encode_text(s, add_special_tokens=False))
+
+
+def test_chat_workload_is_deterministic_and_sized(tok: PromptTokenizer) -> None:
+    kw = dict(conversations=4, turns=3, count_tokens=_count(tok), model="m", rate_per_s=2.0,
+              doc_tokens=(1500, 2500), seed=7)
+    a, b = chat_workload(**kw), chat_workload(**kw)
+    assert a.max_requests == 12
+    assert [s.start_s for s in a.sessions] == [s.start_s for s in b.sessions]
+    assert [s.document for s in a.sessions] == [s.document for s in b.sessions]
+    assert len({s.document for s in a.sessions}) == 4  # every conversation has its own document
+    for s in a.sessions:
+        n = _count(tok)(s.document)
+        assert 1500 <= n <= 2500 + 200
+    other = chat_workload(**{**kw, "seed": 8})
+    assert other.sessions[0].document != a.sessions[0].document
+
+
+def test_chat_turns_append_the_actual_reply_and_a_new_question(tok: PromptTokenizer) -> None:
+    w = chat_workload(conversations=1, turns=3, count_tokens=_count(tok), model="m", doc_tokens=(800, 900))
+    s = w.sessions[0]
+    first = s.request(1, [])
+    third = s.request(3, ["answer one", "answer two"])
+    msgs = third.body["messages"]
+    assert msgs[: len(first.body["messages"])] == first.body["messages"]
+    assert [m["content"] for m in msgs if m["role"] == "assistant"] == ["answer one", "answer two"]
+    assert third.turn == 3 and s.think_s(2) >= 1.0
+    with pytest.raises(ValueError):
+        s.request(3, ["only one reply"])
+    # the prompt of turn 3 extends turn 1's token for token: a node holding turn 1 hits it
+    a = tok.tokenize_body(first.path, first.body).token_ids
+    c = tok.tokenize_body(third.path, third.body).token_ids
+    assert len(c) > len(a) and np.array_equal(c[: len(a)], a)
+
+
+def test_shared_prefix_groups_share_their_system_prompt(tok: PromptTokenizer) -> None:
+    w = shared_prefix_workload(groups=3, prompts_per_group=4, count_tokens=_count(tok), model="m",
+                               prefix_tokens=500, seed=1)
+    assert w.max_requests == 12
+    by_group: dict[int, set[str]] = {}
+    questions = set()
+    for s in w.sessions:
+        body = s.request(1, []).body
+        by_group.setdefault(s.group, set()).add(body["messages"][0]["content"])
+        questions.add(body["messages"][1]["content"])
+    assert all(len(v) == 1 for v in by_group.values()) and len(by_group) == 3
+    assert len({next(iter(v)) for v in by_group.values()}) == 3
+    assert len(questions) == 12
+    again = shared_prefix_workload(groups=3, prompts_per_group=4, count_tokens=_count(tok), model="m",
+                                   prefix_tokens=500, seed=1)
+    assert [s.session_id for s in again.sessions] == [s.session_id for s in w.sessions]
+
+
+def test_trace_hash_id_prefixes_become_token_prefixes() -> None:
+    a = TraceRecord(0, 3 * TRACE_BLOCK_TOKENS + 100, 10, (0, 1, 2, 3))
+    b = TraceRecord(0, 2 * TRACE_BLOCK_TOKENS + 7, 10, (0, 1, 9))
+    c = TraceRecord(0, 2 * TRACE_BLOCK_TOKENS, 10, (5, 1))
+    ta, tb, tc = prompt_tokens(a), prompt_tokens(b), prompt_tokens(c)
+    assert len(ta) == a.input_length and len(tb) == b.input_length
+    shared = 2 * TRACE_BLOCK_TOKENS
+    assert np.array_equal(ta[:shared], tb[:shared])  # ids 0, 1 agree
+    assert not np.array_equal(ta[shared : shared + 100], tb[shared : shared + 100])  # id 2 vs 9
+    assert not np.array_equal(ta[:TRACE_BLOCK_TOKENS], tc[:TRACE_BLOCK_TOKENS])  # first ids differ
+    assert np.array_equal(prompt_tokens(a), ta)  # deterministic
+    assert ta.min() >= 1000
+
+
+def test_shipped_trace_matches_its_documented_checksum() -> None:
+    readme = (DATA / "README.md").read_text()
+    documented = re.search(r"uncompressed\) \| `([0-9a-f]{64})`", readme).group(1)
+    raw = gzip.decompress((DATA / "mooncake_conversation_trace.jsonl.gz").read_bytes())
+    assert hashlib.sha256(raw).hexdigest() == documented
+    assert "Apache-2.0" in readme
+
+
+def test_trace_workload_scales_time_and_bounds_inputs() -> None:
+    records = load_trace(limit=200)
+    assert len(records) == 200
+    w = trace_workload(records, model="m", time_scale=0.5, max_input=8000, max_output=32)
+    assert all(s.record.input_length <= 8000 for s in w.sessions)
+    t_last = (w.sessions[-1].record.timestamp_ms - w.sessions[0].record.timestamp_ms) / 1000
+    assert w.sessions[-1].start_s == pytest.approx(t_last * 0.5)
+    spec = w.sessions[0].request(1, [])
+    assert spec.body["max_tokens"] <= 32 and spec.body["ignore_eos"] is True
+    assert len(spec.wire_body()["prompt"]) == w.sessions[0].record.input_length
+    assert w.token_id_prompts
