@@ -12,6 +12,7 @@ from aiohttp import web
 
 from gateway.profile import load_profile
 from workers.engine.openai_api import DEFAULT_MAX_TOKENS
+from workers.transfer.backend import BACKENDS, TransferError
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +44,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
         help=f"reply length when a request gives no max_tokens (default: {DEFAULT_MAX_TOKENS})",
     )
+    parser.add_argument(
+        "--transfer-port", type=int, default=None,
+        help="port of this node's KV transfer agent (serves and pulls blocks; its transfer_endpoint); off if unset",
+    )
+    parser.add_argument("--transfer-host", default=None, help="address the transfer agent binds and advertises (default: --host)")
+    parser.add_argument(
+        "--transfer-backend", default="mooncake-tcp", choices=BACKENDS,
+        help="transport of the real bytes (default: mooncake-tcp; verbs = pyverbs RDMA READ)",
+    )
+    parser.add_argument("--transfer-device", default="", help="RDMA device for mooncake-rdma / verbs (default: the first)")
+    parser.add_argument(
+        "--transfer-link", default="tcp", choices=("rdma", "tcp"),
+        help="link whose profile speed models a pull's time: must match the gateway's policy.link (default: tcp)",
+    )
+    parser.add_argument(
+        "--transfer-payload-bytes", type=int, default=4096,
+        help="real bytes kept and moved per block, a scaled-down stand-in for its KV (default: 4096)",
+    )
+    parser.add_argument(
+        "--pull-timeout", type=float, default=5.0, help="real seconds a pull may take before recomputing (default: 5)"
+    )
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default: WARNING)")
 
 
@@ -57,6 +79,12 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-tokens-default must be >= 1"
     if args.replay_endpoint and not args.events_endpoint:
         return "--replay-endpoint needs --events-endpoint"
+    if args.transfer_port is not None and not 0 < args.transfer_port < 65536:
+        return "--transfer-port must be 1-65535"
+    if args.transfer_payload_bytes <= 0:
+        return "--transfer-payload-bytes must be positive"
+    if not args.pull_timeout > 0:
+        return "--pull-timeout must be positive"
     return None
 
 
@@ -75,6 +103,13 @@ async def _serve(args: argparse.Namespace) -> None:
         default_max_tokens=args.max_tokens_default,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        transfer_port=args.transfer_port,
+        transfer_host=args.transfer_host or args.host,
+        transfer_backend=args.transfer_backend,
+        transfer_device=args.transfer_device,
+        transfer_link=args.transfer_link,
+        transfer_payload_bytes=args.transfer_payload_bytes,
+        pull_timeout_s=args.pull_timeout,
     )
     tokenizer = PromptTokenizer(args.tokenizer, chat_template=args.chat_template)
     events = None
@@ -89,6 +124,8 @@ async def _serve(args: argparse.Namespace) -> None:
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         ev = f" kv-events {events.endpoint}" if events else ""
+        if engine.transfer is not None:
+            ev += f" transfer {engine.transfer.endpoint} ({config.transfer_backend}, link {config.transfer_link})"
         print(
             f"kvgate worker {config.node_id}: {config.model} ({profile.name}, {config.capacity_blocks} blocks, "
             f"time-scale {config.time_scale}) on http://{args.host}:{args.port}{ev}",
@@ -117,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         runner = asyncio.run
     try:
         runner(_serve(args))
-    except (FileNotFoundError, ValueError, OSError) as e:
+    except (FileNotFoundError, ValueError, OSError, TransferError) as e:
         print(f"kvgate worker: {e}", file=sys.stderr)
         return 1
     return 0

@@ -87,6 +87,9 @@ class EngineRuntime:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.failure: BaseException | None = None
+        # Blocks a pull committed for a request, pinned until the scheduler admits it (and pins
+        # them itself): a pulled prefix must not be evicted while its request waits in the queue.
+        self._held_for: dict[str, tuple[SimRequest, list[int]]] = {}
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="engine-loop")
@@ -100,10 +103,11 @@ class EngineRuntime:
                 pass
             self._task = None
 
-    def submit(self, request: SimRequest) -> RequestStream:
+    def submit(self, request: SimRequest, *, arrival_wall: float | None = None) -> RequestStream:
+        """Queue a request; ``arrival_wall`` (default now) is when its client asked (TTFT starts there)."""
         if self.failure is not None:
             raise EngineFailed(f"engine loop died: {self.failure!r}")
-        stream = RequestStream(request, self._clock())
+        stream = RequestStream(request, self._clock() if arrival_wall is None else arrival_wall)
         self.scheduler.add(request)
         self._streams[request.request_id] = stream
         self._wake.set()
@@ -113,6 +117,28 @@ class EngineRuntime:
         """The client is gone: free the request's slot and blocks."""
         self._streams.pop(request_id, None)
         self.scheduler.abort(request_id, self._clock())
+        self._release_admitted()
+
+    def hold_until_admitted(self, request: SimRequest, hashes: list[int]) -> None:
+        """``hashes`` are pinned for ``request`` (already submitted); unpin once it is admitted or ends."""
+        if hashes:
+            self._held_for[request.request_id] = (request, hashes)
+            self._release_admitted()
+
+    def _release_admitted(self) -> None:
+        if not self._held_for:
+            return
+        now = self._clock()
+        for rid in [rid for rid, (r, _) in self._held_for.items() if r.cached_tokens >= 0 or r.finished]:
+            _, hashes = self._held_for.pop(rid)
+            self.scheduler.cache.unpin(hashes, now)
+
+    def flush_events(self) -> None:
+        """Publish the cache's pending events now (a pull changed the cache between steps)."""
+        self._emit(self.scheduler.cache.drain_events())
+
+    def now(self) -> float:
+        return self._clock()
 
     def reset_cache(self) -> int:
         """Drop every cached block and publish AllBlocksCleared; raises ``CacheBusy`` while busy."""
@@ -149,6 +175,7 @@ class EngineRuntime:
                 end = clock()
                 result = s.complete(step, end)
                 self._emit(result.events)
+                self._release_admitted()
                 for out in result.outputs:
                     stream = self._streams.get(out.request.request_id)
                     if stream is not None:

@@ -5,7 +5,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``str
 ``POST /debug/reset`` (alias ``POST /reset_prefix_cache``, vLLM's name).
 
 Every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
-``x-kvgate-cached-tokens`` (the prefix hit, also in ``usage.prompt_tokens_details``). A streamed
+``x-kvgate-cached-tokens`` (the prefix hit, also in ``usage.prompt_tokens_details``); a request
+that came with pull instructions also gets ``x-kvgate-pull`` (``ok``, ``none`` or
+``failed:<reason>``) and ``x-kvgate-pulled-blocks`` (``workers.engine.pull``). A streamed
 answer starts (headers and first chunk) only when the first token is out: the time to the first
 chunk is the time to first token, as with a real engine.
 """
@@ -15,13 +17,17 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from gateway.envoy_config import PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from tokenizer import InvalidPrompt, PromptTokenizer, namespace_seed
+from workers.engine.kv_cache import CacheEvent
+from workers.transfer import SlotTable, TransferAgent, make_backend
 from workers.engine.events import EventPublisher
 from workers.engine.kv_cache import CacheBusy, PrefixCache, root_hash
 from workers.engine.metrics import EngineMetrics
@@ -39,12 +45,15 @@ from workers.engine.openai_api import (
     usage,
     usage_chunk,
 )
+from workers.engine.pull import CacheHolder, PullCollector, PullCoordinator, PullOutcome, follow_cache
 from workers.engine.runtime import EngineFailed, EngineRuntime, RequestStream
 from workers.engine.sampling import ReplySampler
 from workers.engine.scheduler import Scheduler, SimRequest
 
 NODE_HEADER = "x-kvgate-node"
 CACHED_HEADER = "x-kvgate-cached-tokens"
+PULL_HEADER = "x-kvgate-pull"
+PULLED_BLOCKS_HEADER = "x-kvgate-pulled-blocks"
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,13 @@ class EngineConfig:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    transfer_port: int | None = None  # None: no transfer agent (cannot serve or pull blocks)
+    transfer_host: str = "127.0.0.1"  # address the agent binds and advertises
+    transfer_backend: str = "mooncake-tcp"
+    transfer_device: str = ""  # RDMA device for rdma backends ("" = the first)
+    transfer_link: str = "tcp"  # link whose speed models a pull's time (the gateway's policy.link)
+    transfer_payload_bytes: int = 4096  # real bytes kept per block (the full-size KV is modelled)
+    pull_timeout_s: float = 5.0  # real seconds a pull may take before the request recomputes
 
     @property
     def capacity_blocks(self) -> int:
@@ -90,19 +106,42 @@ class Engine:
         )
         self.metrics = EngineMetrics(self.scheduler, config.model)
         self.events = events
+        self.slots: SlotTable | None = None
         self.runtime = EngineRuntime(
             self.scheduler,
             time_scale=config.time_scale,
             metrics=self.metrics,
-            publish=events.publish if events is not None else None,
+            publish=self._on_cache_events,
         )
+        agent = None
+        if config.transfer_port is not None:
+            self.slots = SlotTable(config.capacity_blocks, config.transfer_payload_bytes)
+            backend = make_backend(config.transfer_backend, host=config.transfer_host, device=config.transfer_device)
+            agent = TransferAgent(backend, self.slots, CacheHolder(self.cache, self.runtime))
+        self.transfer = agent
+        self.pulls = PullCoordinator(
+            agent, self.runtime, config.profile,
+            link=config.transfer_link, time_scale=config.time_scale, timeout_s=config.pull_timeout_s,
+        )
+        self.metrics.registry.register(PullCollector(self.pulls, config.model))
         self.max_model_len = config.effective_max_model_len
         self.created = int(time.time())
 
+    def _on_cache_events(self, records: Sequence[CacheEvent]) -> None:
+        if self.slots is not None:
+            follow_cache(self.slots, records)
+        if self.events is not None:
+            self.events.publish(records)
+
     async def start(self) -> None:
         await self.runtime.start()
+        if self.transfer is not None:
+            assert self.config.transfer_port is not None
+            await self.transfer.start(self.config.transfer_host, self.config.transfer_port)
 
     async def close(self) -> None:
+        if self.transfer is not None:
+            await self.transfer.close()
         await self.runtime.close()
         if self.events is not None:
             self.events.close()
@@ -138,6 +177,7 @@ async def _read_body(request: web.Request) -> Any:
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     cfg = engine.config
+    arrival_wall = time.monotonic()
     body = await _read_body(request)
     check_model(body, cfg.model)
     try:
@@ -160,16 +200,19 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         key_seed=namespace_seed(cfg.model, lora=tp.lora, cache_salt=tp.cache_salt),
         arrival=time.monotonic(),
     )
-    stream = engine.runtime.submit(sim)
+    pull = await engine.pulls.prepare(sim, request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
+    stream = engine.pulls.submit(sim, pull, arrival_wall)
     try:
         if opts.stream:
-            return await _stream(request, engine, stream, chat=chat, include_usage=opts.include_usage)
+            return await _stream(request, engine, stream, pull, chat=chat, include_usage=opts.include_usage)
         while not stream.finished:
             await stream.wait_change()
         text = engine.tokenizer.decode(_reply_ids(sim, sim.generated))
         use = usage(n_prompt, sim.generated, sim.cached_tokens)
         shape = chat_response if chat else completion_response
-        return _json(shape(rid, engine.created, cfg.model, text, sim.finish_reason, use), headers=_headers(engine, sim))
+        return _json(
+            shape(rid, engine.created, cfg.model, text, sim.finish_reason, use), headers=_headers(engine, sim, pull)
+        )
     finally:
         if not sim.finished:
             engine.runtime.abort(rid)
@@ -179,8 +222,12 @@ def _reply_ids(sim: SimRequest, n: int) -> Any:
     return sim.tokens[sim.num_prompt : sim.num_prompt + n]
 
 
-def _headers(engine: Engine, sim: SimRequest) -> dict[str, str]:
-    return {NODE_HEADER: engine.config.node_id, CACHED_HEADER: str(max(sim.cached_tokens, 0))}
+def _headers(engine: Engine, sim: SimRequest, pull: PullOutcome) -> dict[str, str]:
+    headers = {NODE_HEADER: engine.config.node_id, CACHED_HEADER: str(max(sim.cached_tokens, 0))}
+    if pull.status != "absent":
+        headers[PULL_HEADER] = f"failed:{pull.reason}" if pull.status == "failed" else pull.status
+        headers[PULLED_BLOCKS_HEADER] = str(pull.blocks)
+    return headers
 
 
 def _sse(data: Any) -> bytes:
@@ -188,7 +235,7 @@ def _sse(data: Any) -> bytes:
 
 
 async def _stream(
-    request: web.Request, engine: Engine, stream: RequestStream, *, chat: bool, include_usage: bool
+    request: web.Request, engine: Engine, stream: RequestStream, pull: PullOutcome, *, chat: bool, include_usage: bool
 ) -> web.StreamResponse:
     sim = stream.request
     model = engine.config.model
@@ -197,7 +244,7 @@ async def _stream(
     while stream.generated == 0 and not stream.finished:
         await stream.wait_change()  # prefill: nothing is sent before the first token
     resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(engine, sim)}
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(engine, sim, pull)}
     )
     await resp.prepare(request)
     if chat:

@@ -1,0 +1,58 @@
+"""What a cached block's bytes look like in a transfer slot, and how a receiver checks them.
+
+The simulated engine has no real KV, so each cached block gets a real, scaled-down stand-in:
+``payload_bytes`` bytes drawn from a generator seeded by the block's *engine hash*. Any node can
+therefore regenerate what a block must contain, and a slot carries a 16-byte trailer so a
+receiver can check it without regenerating anything::
+
+    slot = payload (payload_bytes) | block hash (8, little-endian) | xxh3_64(payload) (8, little-endian)
+
+``verify_slot`` checks both: the hash says the slot still holds the block that was asked for (not
+a slot reused by another block), the checksum says the bytes arrived intact. A block is used
+only after both hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+TRAILER_BYTES = 16
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+class BlockCorrupt(ValueError):
+    """A slot's bytes are not the block that was asked for (wrong block or damaged bytes)."""
+
+
+def slot_bytes(payload_bytes: int) -> int:
+    """Bytes one slot takes: the payload and its trailer."""
+    if payload_bytes <= 0:
+        raise ValueError(f"payload_bytes must be positive, got {payload_bytes}")
+    return payload_bytes + TRAILER_BYTES
+
+
+def block_payload(block_hash: int, payload_bytes: int) -> bytes:
+    """The deterministic stand-in for one block's KV (the same on every node)."""
+    return np.random.Generator(np.random.PCG64(block_hash & _U64)).bytes(payload_bytes)
+
+
+def fill_slot(slot: np.ndarray, block_hash: int) -> None:
+    """Write ``block_hash``'s payload and trailer into ``slot`` (a uint8 view of one slot)."""
+    n = len(slot) - TRAILER_BYTES
+    payload = block_payload(block_hash, n)
+    slot[:n] = np.frombuffer(payload, dtype=np.uint8)
+    slot[n : n + 8] = np.frombuffer((block_hash & _U64).to_bytes(8, "little"), dtype=np.uint8)
+    slot[n + 8 :] = np.frombuffer(xxhash.xxh3_64_intdigest(payload).to_bytes(8, "little"), dtype=np.uint8)
+
+
+def verify_slot(slot: np.ndarray, block_hash: int) -> None:
+    """Raise ``BlockCorrupt`` unless ``slot`` holds ``block_hash``'s block with an intact payload."""
+    n = len(slot) - TRAILER_BYTES
+    held = int.from_bytes(slot[n : n + 8].tobytes(), "little")
+    if held != block_hash & _U64:
+        raise BlockCorrupt(f"slot holds block {held:#018x}, expected {block_hash & _U64:#018x}")
+    stored = int.from_bytes(slot[n + 8 :].tobytes(), "little")
+    actual = xxhash.xxh3_64_intdigest(slot[:n])
+    if stored != actual:
+        raise BlockCorrupt(f"block {block_hash & _U64:#018x}: checksum {actual:#018x} != {stored:#018x}")
