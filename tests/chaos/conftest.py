@@ -1,0 +1,17 @@
+"""Chaos tests print one table at the end of the run: what each fault did to the steady load."""
+
+from __future__ import annotations
+
+from tests.chaos.load import Row, render_table
+
+ROWS: list[Row] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest's reporter type is private)
+    if not ROWS:
+        return
+    terminalreporter.write_sep("=", "chaos: steady load through Envoy while parts fail")
+    terminalreporter.write_line(render_table(ROWS))
+    for row in ROWS:
+        for note in row.notes:
+            terminalreporter.write_line(f"  {row.event}: {note}")
