@@ -13,6 +13,7 @@ from directory_client.types import (
     NodeLoad,
     NodeView,
     Reservation,
+    ReservationConflict,
     Tier,
     UnknownNode,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "RedisClusterDirectory",
     "RedisDirectory",
     "Reservation",
+    "ReservationConflict",
     "Tier",
     "UnknownNode",
     "open_directory",

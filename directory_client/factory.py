@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from directory_client.memory import InProcessDirectory
 from directory_client.redis_cluster import RedisClusterDirectory
@@ -19,6 +19,9 @@ def open_directory(
     heartbeat_ttl_s: float = 10.0,
     index_stride: int | None = None,
     op_timeout_s: float = 0.5,
+    tls_ca_file: str = "",
+    tls_cert_file: str = "",
+    tls_key_file: str = "",
     **kw: Any,
 ) -> Directory:
     """A directory for ``url``; nothing connects until the first call.
@@ -28,15 +31,39 @@ def open_directory(
     ``max_request_s`` (reservations older than this are dropped: a replica that died
     mid-request cannot leave a node looking busy), ``dead_node_retention_s`` (how long a dead
     node's blocks are kept in case it comes back), ``live_cache_s`` (cluster only), ``clock``
-    (memory only).
+    (memory only). ``tls_*``: PEM files for ``rediss://`` (the CA to verify the server; a client
+    certificate and key when the server requires one).
     """
     stride = DEFAULT_INDEX_STRIDE if index_stride is None else index_stride
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         return InProcessDirectory(heartbeat_ttl_s=heartbeat_ttl_s, index_stride=stride, **kw)
-    common = dict(key_prefix=key_prefix, heartbeat_ttl_s=heartbeat_ttl_s, index_stride=stride, op_timeout_s=op_timeout_s)
+    common: dict[str, Any] = dict(
+        key_prefix=key_prefix, heartbeat_ttl_s=heartbeat_ttl_s, index_stride=stride, op_timeout_s=op_timeout_s
+    )
+    tls = tls_options(url, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
+    if tls:
+        common["connection_options"] = tls
     if scheme in ("redis", "rediss", "unix"):
         return RedisDirectory.from_url(url, **common, **kw)
     if scheme in ("redis+cluster", "rediss+cluster"):
         return RedisClusterDirectory.from_url(url, **common, **kw)
     raise ValueError(f"unknown directory URL {url!r}: use memory://, redis://host:port/db or redis+cluster://host:port,…")
+
+
+def tls_options(url: str, *, ca_file: str = "", cert_file: str = "", key_file: str = "") -> dict[str, str]:
+    """redis-py's TLS keywords for the given PEM files; only a TLS URL may carry them."""
+    opts = {k: v for k, v in (("ssl_ca_certs", ca_file), ("ssl_certfile", cert_file), ("ssl_keyfile", key_file)) if v}
+    if opts and not urlsplit(url).scheme.startswith("rediss"):
+        raise ValueError(f"TLS files given for {redact_url(url)!r}: use rediss:// (or rediss+cluster://) to connect with TLS")
+    return opts
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password replaced by ``***``: directory URLs are logged, passwords must not be."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))

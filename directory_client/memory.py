@@ -20,6 +20,7 @@ from directory_client.types import (
     NodeLoad,
     NodeView,
     Reservation,
+    ReservationConflict,
     Tier,
     UnknownNode,
 )
@@ -222,7 +223,9 @@ class InProcessDirectory:
 
     # -- load ----------------------------------------------------------------------------------
 
-    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation:
+    async def reserve(
+        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
+    ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         now = self._clock()
@@ -230,6 +233,8 @@ class InProcessDirectory:
         if load is None:
             load = self._loads[node_id] = _Load()
         load.expire(now)
+        if if_inflight_at_most is not None and load.inflight > if_inflight_at_most:
+            raise ReservationConflict(node_id, if_inflight_at_most)
         token = f"m{next(self._tokens)}|{prefill_tokens}"
         load.reservations[token] = (now + self.max_request_s, prefill_tokens)
         load.inflight += 1

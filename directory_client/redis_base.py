@@ -40,6 +40,7 @@ from directory_client.types import (
     NodeLoad,
     NodeView,
     Reservation,
+    ReservationConflict,
     Tier,
     UnknownNode,
 )
@@ -323,14 +324,19 @@ class RedisDirectoryBase(ABC):
 
     # -- load ----------------------------------------------------------------------------------
 
-    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation:
+    async def reserve(
+        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
+    ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         await self._check_config()
         member = f"{self._client_id}-{next(self._tokens)}|{prefill_tokens}"
         nk = self._keys(node_id)
+        limit = "" if if_inflight_at_most is None else int(if_inflight_at_most)
         async with self._io("reserve"):
-            await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, self._max_request_ms))
+            taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, self._max_request_ms, limit))
+        if taken == -1:
+            raise ReservationConflict(node_id, if_inflight_at_most)
         return Reservation(node_id, 1, prefill_tokens, member)
 
     async def release(self, reservation: Reservation) -> None:

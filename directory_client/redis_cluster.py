@@ -62,8 +62,11 @@ class RedisClusterDirectory(RedisDirectoryBase):
         self._live_ids_at = float("-inf")
 
     @classmethod
-    def from_url(cls, url: str, *, op_timeout_s: float = 0.5, **kw: Any) -> "RedisClusterDirectory":
+    def from_url(
+        cls, url: str, *, op_timeout_s: float = 0.5, connection_options: dict[str, Any] | None = None, **kw: Any
+    ) -> "RedisClusterDirectory":
         seeds, opts = parse_cluster_url(url)
+        opts.update(connection_options or {})
         client = RedisCluster(
             startup_nodes=[ClusterNode(h, p) for h, p in seeds],
             socket_timeout=op_timeout_s,

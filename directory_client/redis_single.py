@@ -22,9 +22,16 @@ class RedisDirectory(RedisDirectoryBase):
 
     @classmethod
     def from_url(
-        cls, url: str, *, op_timeout_s: float = 0.5, max_connections: int = 64, **kw: Any
+        cls,
+        url: str,
+        *,
+        op_timeout_s: float = 0.5,
+        max_connections: int = 64,
+        connection_options: dict[str, Any] | None = None,
+        **kw: Any,
     ) -> "RedisDirectory":
-        """``redis://[:password@]host:port/db`` or ``rediss://…`` (TLS).
+        """``redis://[:password@]host:port/db`` or ``rediss://…`` (TLS; ``connection_options``
+        carries redis-py's ``ssl_*`` keywords, e.g. ``ssl_ca_certs``).
 
         The pool is a blocking one: a burst of concurrent requests waits (within the op
         timeout) for one of ``max_connections`` connections instead of failing at once.
@@ -39,6 +46,7 @@ class RedisDirectory(RedisDirectoryBase):
             # more would only push an outage past op_timeout_s
             retry=Retry(NoBackoff(), 1),
             health_check_interval=0,
+            **(connection_options or {}),
         )
         client = aioredis.Redis(connection_pool=pool)
         return cls(client, op_timeout_s=op_timeout_s, **kw)

@@ -55,13 +55,8 @@ class KeySampler:
         s = self.stride
         if s == 1:
             return list(keys), None
-        kept: list[int] = []
-        positions: list[int] = []
-        for i, k in enumerate(keys):
-            if k % s == 0:
-                kept.append(k)
-                positions.append(i)
-        return kept, positions
+        positions = [i for i, k in enumerate(keys) if not k % s]
+        return [keys[i] for i in positions], positions
 
     @staticmethod
     def blocks_for(held: int, positions: list[int] | None) -> int:

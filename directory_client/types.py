@@ -35,6 +35,15 @@ class DirectoryUnavailable(Exception):
     """The directory backend cannot be reached or answered an error: callers fail open."""
 
 
+class ReservationConflict(Exception):
+    """A compare-and-reserve found more requests in flight on the node than the caller saw:
+    another replica took it meanwhile. Nothing was reserved; decide again on a fresh view."""
+
+    def __init__(self, node_id: str, seen_inflight: int | None) -> None:
+        super().__init__(f"node {node_id} has more than {seen_inflight} requests in flight now")
+        self.node_id = node_id
+
+
 class UnknownNode(LookupError):
     """A heartbeat for a node that is not registered (never, deregistered, or forgotten after
     its dead-node retention): the caller should ``register_node`` again."""
@@ -110,7 +119,9 @@ class Directory(Protocol):
 
     async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView: ...
 
-    async def reserve(self, node_id: str, prefill_tokens: int) -> Reservation: ...
+    async def reserve(
+        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
+    ) -> Reservation: ...
     async def release(self, reservation: Reservation) -> None: ...
     async def loads(self) -> dict[str, NodeLoad]: ...
 

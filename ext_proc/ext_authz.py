@@ -29,6 +29,7 @@ from aiohttp import web
 
 from gateway.core import RouteResult, RoutingCore
 from gateway.envoy_config import INFERENCE_PATHS
+from gateway.logs import REQUEST_ID
 
 log = logging.getLogger("kvgate.ext_authz")
 
@@ -54,14 +55,20 @@ class ExtAuthzService:
         path = request.path[len(AUTHZ_PATH_PREFIX) :] or "/"
         if request.method != "POST" or path not in INFERENCE_PATHS:
             return web.Response(status=200)
-        body = await request.read()
-        result = await self.core.route(path, body, request.headers.get("x-request-id", ""))
-        if result.kind == "rejected":
-            return web.Response(status=result.status, body=result.body, content_type="application/json")
-        if result.kind != "routed":
-            return web.Response(status=200)
-        self._release_later(result)
-        return web.Response(status=200, headers=dict(result.headers))
+        request_id = request.headers.get("x-request-id", "")
+        # Reset after: aiohttp may run the next request of this connection in the same context.
+        token = REQUEST_ID.set(request_id)
+        try:
+            body = await request.read()
+            result = await self.core.route(path, body, request_id, request.headers.get("traceparent", ""))
+            if result.kind == "rejected":
+                return web.Response(status=result.status, body=result.body, content_type="application/json")
+            if result.kind != "routed":
+                return web.Response(status=200)
+            self._release_later(result)
+            return web.Response(status=200, headers=dict(result.headers))
+        finally:
+            REQUEST_ID.reset(token)
 
     def _release_later(self, result: RouteResult) -> None:
         loop = asyncio.get_running_loop()

@@ -29,6 +29,7 @@ from ext_proc import responses
 from gateway import metrics
 from gateway.core import RouteResult, RoutingCore
 from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
+from gateway.logs import REQUEST_ID
 
 log = logging.getLogger("kvgate.ext_proc")
 
@@ -95,6 +96,8 @@ class ExtProcService:
             await context.write(responses.EMPTY)
             return None
         headers = _header_map(msg.request_headers)
+        request_id = headers.get("x-request-id", "")
+        REQUEST_ID.set(request_id)  # this stream's task only: every log line of it carries the ID
         path = headers.get(":path", "").split("?", 1)[0]
         if headers.get(":method") != "POST" or path not in INFERENCE_PATHS:
             await context.write(responses.HEADERS_CONTINUE_NO_BODY)
@@ -119,7 +122,7 @@ class ExtProcService:
             # Only a STREAMED body arrives in parts; acknowledge each part without changes.
             await context.write(responses.BODY_CONTINUE)
 
-        result = await self.core.route(path, bytes(body), headers.get("x-request-id", ""))
+        result = await self.core.route(path, bytes(body), request_id, headers.get("traceparent", ""))
         if result.kind == "routed":
             await context.write(routed_response(result))
         elif result.kind == "rejected":

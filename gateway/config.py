@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, SecretStr, ValidationError, field_validator
 from pydantic import model_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
@@ -151,13 +151,32 @@ class DirectoryConfig(_Section):
     index_stride: int | None = Field(None, ge=1, description="directory sampling stride; None = backend default")
     lookup_timeout_ms: float = Field(25.0, gt=0, description="per-request lookup budget; past it, route by load only")
     op_timeout_s: float = Field(0.5, gt=0, description="timeout of one backend operation")
+    tls_ca_file: str = Field("", description="rediss://: PEM CA bundle that signed the Redis server's certificate")
+    tls_cert_file: str = Field("", description="rediss://: client certificate (PEM), if Redis requires one")
+    tls_key_file: str = Field("", description="rediss://: the client certificate's key (PEM)")
 
     @field_validator("url")
     @classmethod
     def _url_has_scheme(cls, value: str) -> str:
         if not re.match(r"^[a-z][a-z0-9+.-]*://", value):
-            raise ValueError(f"{value!r} is not a URL (memory://, redis://host:port/db, redis+cluster://…)")
+            shown = repr(value) if "@" not in value else "the value"  # never echo a password
+            raise ValueError(f"{shown} is not a URL (memory://, redis://host:port/db, redis+cluster://…)")
         return value
+
+    @field_validator("tls_ca_file", "tls_cert_file", "tls_key_file")
+    @classmethod
+    def _pem_exists(cls, value: str) -> str:
+        if value and not Path(value).expanduser().is_file():
+            raise ValueError(f"file {value!r} not found")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_needs_rediss(self) -> DirectoryConfig:
+        if (self.tls_ca_file or self.tls_cert_file or self.tls_key_file) and not self.url.startswith("rediss"):
+            raise ValueError("tls_* files are set but the url is not rediss:// (or rediss+cluster://)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        return self
 
 
 class NodeConfig(_Section):
@@ -242,6 +261,9 @@ class LimitsConfig(_Section):
 
     max_body_bytes: ByteSize = Field(8 * MiB, gt=0)
     max_prompt_tokens: int = Field(131_072, gt=0)
+    max_prompt_bytes: ByteSize = Field(
+        1 * MiB, gt=0, description="rendered prompt text beyond this is not tokenized: passed through (bounds CPU)"
+    )
 
 
 class LogConfig(_Section):
@@ -254,6 +276,125 @@ class LogConfig(_Section):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+
+_PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9-]{0,13}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+
+
+def _port_ref(value: Any) -> Any:
+    """A port by number or by Kubernetes port name; digits given as text (env vars) are numbers."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool):
+        raise ValueError("a port is a number or a port name")
+    if isinstance(value, int):
+        if not 1 <= value <= 65535:
+            raise ValueError(f"port {value} is not in 1-65535")
+        return value
+    if isinstance(value, str) and _PORT_NAME.match(value):
+        return value
+    raise ValueError(f"{value!r} is neither a port number nor a Kubernetes port name (lowercase, max 15 chars)")
+
+
+PortRef = Annotated[int | str, BeforeValidator(_port_ref)]
+
+
+class KubernetesDiscoveryConfig(_Section):
+    """The fleet from Kubernetes: ready pods behind a Service (EndpointSlices) or matching a label
+    selector (Pods), watched. See gateway/discovery/README.md."""
+
+    enabled: bool = False
+    source: Literal["endpointslices", "pods"] = "endpointslices"
+    namespace: str = Field("", description="namespace of the engine pods; empty = the gateway's own")
+    service: str = Field("", description="endpointslices: the Service in front of the engines")
+    label_selector: str = Field(
+        "", description="pods: which pods are engines; endpointslices: replaces kubernetes.io/service-name=<service>"
+    )
+    port: PortRef = Field(8000, description="the engines' OpenAI-compatible port: number or port name")
+    events_port: PortRef | None = Field(None, description="KV-event PUB port; set: the gateway follows each pod's events")
+    replay_port: PortRef | None = Field(None, description="KV-event replay (ROUTER) port")
+    transfer_port: PortRef | None = Field(None, description="KV transfer agent port")
+    model: str = Field("", description="model the engines serve (seeds their block keys); default: first of `models`")
+    api_server: str = Field("", description="API server URL; empty = in-cluster (KUBERNETES_SERVICE_HOST)")
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+    watch_timeout_s: int = Field(240, ge=10, le=3600, description="length of one watch request")
+
+    @field_validator("namespace", "service")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if value and not _DNS_LABEL.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes name (lowercase letters, digits, '-')")
+        return value
+
+    @model_validator(mode="after")
+    def _source_is_selected(self) -> KubernetesDiscoveryConfig:
+        if not self.enabled:
+            return self
+        if self.source == "endpointslices" and not (self.service or self.label_selector):
+            raise ValueError("source endpointslices needs `service` (or a `label_selector` for the slices)")
+        if self.source == "pods" and not self.label_selector:
+            raise ValueError("source pods needs a `label_selector` (e.g. app=vllm)")
+        if self.replay_port is not None and self.events_port is None:
+            raise ValueError("replay_port is set but events_port is not")
+        return self
+
+
+class DiscoveryConfig(_Section):
+    """Where the fleet comes from besides the static ``fleet`` list."""
+
+    kubernetes: KubernetesDiscoveryConfig = KubernetesDiscoveryConfig()
+
+
+class AdminConfig(_Section):
+    """The admin server's debug endpoints and dashboard (``/healthz``, ``/readyz``, ``/metrics`` are always on).
+
+    ``/debug/*`` shows traffic (models, prompt sizes, request IDs, node addresses), so it is off by
+    default and, when on, every call needs ``Authorization: Bearer <token>``. Give the token by
+    environment (``KVGATE_ADMIN__TOKEN``) or as a file (``token_file``, e.g. a mounted Secret),
+    not in a config file that is checked in.
+    """
+
+    debug: bool = Field(False, description="serve /debug/* and the /dashboard page (needs a token)")
+    token: SecretStr | None = Field(None, description="bearer token of /debug/* (at least 16 characters)")
+    token_file: str | None = Field(None, description="file whose content is the token (surrounding whitespace ignored)")
+    decision_log_size: int = Field(256, ge=1, le=100_000, description="decisions kept for /debug/decisions")
+
+    @model_validator(mode="after")
+    def _token_when_debug(self) -> AdminConfig:
+        if self.token is not None and self.token_file:
+            raise ValueError("set admin.token or admin.token_file, not both")
+        if self.token_file:
+            path = Path(self.token_file).expanduser()
+            try:
+                text = path.read_text().strip()
+            except OSError as e:
+                raise ValueError(f"token_file {self.token_file!r}: {e.strerror or e}") from None
+            if not text:
+                raise ValueError(f"token_file {self.token_file!r} is empty")
+        if self.debug and self.token is None and not self.token_file:
+            raise ValueError("debug endpoints need a bearer token: set admin.token (KVGATE_ADMIN__TOKEN) or admin.token_file")
+        token = self.bearer_token()
+        if token is not None and len(token) < 16:
+            raise ValueError("the admin token must be at least 16 characters")
+        return self
+
+    def bearer_token(self) -> str | None:
+        """The token, read now (a rotated Secret file is picked up at the next start)."""
+        if self.token is not None:
+            return self.token.get_secret_value().strip()
+        if self.token_file:
+            return Path(self.token_file).expanduser().read_text().strip()
+        return None
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry traces of decisions. The exporter is configured by the standard ``OTEL_*``
+    variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_TRACES_SAMPLER``, ...); see gateway/tracing.py."""
+
+    enabled: bool = Field(False, description="export a span per decision (off: no cost at all)")
+    service_name: str = Field("kvgate", min_length=1, description="service.name unless OTEL_SERVICE_NAME sets it")
 
 
 # --- the whole config ----------------------------------------------------------------------------
@@ -290,9 +431,12 @@ class KvgateConfig(BaseSettings):
     tokenizer: TokenizerConfig = TokenizerConfig()
     directory: DirectoryConfig = DirectoryConfig()
     fleet: list[NodeConfig] = Field(default_factory=list, description="static fleet (bridges may register more)")
+    discovery: DiscoveryConfig = DiscoveryConfig()
     policy: PolicyConfig = PolicyConfig()
     limits: LimitsConfig = LimitsConfig()
     log: LogConfig = LogConfig()
+    admin: AdminConfig = AdminConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -346,6 +490,13 @@ class KvgateConfig(BaseSettings):
                 raise ValueError(
                     f"fleet node {node.node_id!r} has an events_endpoint but no model: set its `model` or `models`"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _discovered_events_have_a_model(self) -> KvgateConfig:
+        k8s = self.discovery.kubernetes
+        if k8s.enabled and k8s.events_port is not None and not (k8s.model or self.models):
+            raise ValueError("discovery.kubernetes.events_port is set but no model: set discovery.kubernetes.model or `models`")
         return self
 
     def node_model(self, node: NodeConfig) -> str:

@@ -9,6 +9,12 @@
   error); set no header, so Envoy's fallback route balances by least-request. Counted in
   ``kvgate_fail_open{reason}``.
 
+Observability is applied after the decision, from the ``RouteResult`` alone (``_account``): the
+stages are timed with four ``perf_counter`` reads, and metrics, the decision log and the trace
+are derived from those timings once the answer is known. With the decision log and tracing off
+(the defaults) the per-request cost is two ``is None`` checks; ``explain`` runs the same stages
+without reserving load or touching any of it.
+
 What "fail open" promises: an internal problem never turns into a client-visible error. Only
 the client's own mistakes (malformed JSON, a missing prompt, an unknown model, a body or prompt
 over the limits) are rejected, because forwarding them would only fail later on the node.
@@ -20,17 +26,21 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from directory_client.types import Directory, DirectoryUnavailable, Reservation
 from gateway import metrics
+from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
-from tokenizer import InvalidPrompt, PromptTokenizer
-from tokenizer.keys import block_keys, namespace_seed
+from tokenizer import InvalidPrompt, PromptTokenizer, PromptTooLarge
+from tokenizer.keys import PrefixKeyCache, namespace_seed
+
+if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
+    from gateway.tracing import DecisionTracer
 
 log = logging.getLogger("kvgate.core")
 
@@ -47,6 +57,7 @@ class RoutingLimits:
     max_prompt_tokens: int = 131072
     models: frozenset[str] = frozenset()  # empty: accept any model name
     lookup_timeout_s: float = 0.025
+    max_prompt_bytes: int = 1 << 20  # rendered prompt text beyond this is passed through untokenized
 
 
 @dataclass(slots=True)
@@ -59,6 +70,7 @@ class RouteResult:
     reservation: Reservation | None = None
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    request: RoutingRequest | None = None  # what the policy was asked (None: rejected before tokenizing)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -68,14 +80,29 @@ def error_body(status: int, message: str) -> bytes:
 
 
 def _reject(status: int, message: str) -> RouteResult:
-    metrics.REJECTED.labels(str(status)).inc()
     return RouteResult("rejected", status=status, body=error_body(status, message), reason=message)
 
 
-def _fail_open(reason: str, policy: str) -> RouteResult:
-    metrics.FAIL_OPEN.labels(reason).inc()
-    metrics.DECISIONS.labels(policy, "fail_open").inc()
+def _fail_open(reason: str) -> RouteResult:
     return RouteResult("fail_open", reason=reason)
+
+
+def _account(result: RouteResult, policy: str) -> None:
+    """Metrics of one answered request (``route`` only: ``explain`` counts nothing)."""
+    if result.kind == "routed":
+        decision = result.decision
+        assert decision is not None and result.request is not None
+        for stage, seconds in result.timings.items():
+            metrics.STAGE_SECONDS[stage].observe(seconds)
+        metrics.DECISIONS.labels(decision.policy, decision.outcome).inc()
+        metrics.PROMPT_TOKENS.inc(result.request.prompt_tokens)
+        metrics.CACHED_TOKENS.inc(decision.expected_cached_tokens)
+        metrics.INFLIGHT.inc()
+    elif result.kind == "fail_open":
+        metrics.FAIL_OPEN.labels(result.reason).inc()
+        metrics.DECISIONS.labels(policy, "fail_open").inc()
+    else:
+        metrics.REJECTED.labels(str(result.status)).inc()
 
 
 class RoutingCore:
@@ -88,23 +115,48 @@ class RoutingCore:
         policy,  # gateway.policy.Policy
         profile: HardwareProfile,
         limits: RoutingLimits,
+        *,
+        decision_log: DecisionLog | None = None,
+        tracer: DecisionTracer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
         self.policy = policy
         self.profile = profile
         self.limits = limits
+        self.keys = PrefixKeyCache()
+        self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
+        self.tracer = tracer  # None: tracing is off, no span is ever built
 
-    async def route(self, path: str, body: bytes, request_id: str = "") -> RouteResult:
+    async def route(self, path: str, body: bytes, request_id: str = "", traceparent: str = "") -> RouteResult:
+        """Decide and reserve the node's load; ``traceparent`` (W3C) parents the decision's span."""
+        start_ns = time.time_ns() if self.tracer is not None else 0
         try:
-            return await self._route(path, body, request_id)
+            result = await self._route(path, body, request_id, reserve=True)
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
             log.exception("routing failed; failing open (request_id=%s)", request_id)
-            return _fail_open("internal_error", self.policy.name)
+            result = _fail_open("internal_error")
+        _account(result, self.policy.name)
+        if result.kind != "rejected":
+            if self.decision_log is not None:
+                self.decision_log.record(path, request_id, result)
+            if log.isEnabledFor(logging.DEBUG):
+                _log_decision(result)
+        if self.tracer is not None:  # built after the caller has answered Envoy: off the request's latency
+            asyncio.get_running_loop().call_soon(self.tracer.record, result, path, request_id, start_ns, traceparent)
+        return result
 
-    async def _route(self, path: str, body: bytes, request_id: str) -> RouteResult:
+    async def explain(self, path: str, body: bytes) -> RouteResult:
+        """What ``route`` would answer for this body now, without reserving load or counting it.
+
+        The directory is really asked (the answer must be today's), so its latency and errors
+        still count in ``kvgate_directory_*``; the decision itself is not counted, logged or traced.
+        """
+        return await self._route(path, body, "", reserve=False)
+
+    async def _route(self, path: str, body: bytes, request_id: str, *, reserve: bool) -> RouteResult:
         lim = self.limits
         t0 = time.perf_counter()
         if len(body) > lim.max_body_bytes:
@@ -113,6 +165,8 @@ class RoutingCore:
             req = _json_decode(body)
         except msgspec.DecodeError as e:
             return _reject(400, f"request body is not valid JSON: {e}")
+        except RecursionError:  # msgspec recurses per nesting level: a client's doing, not ours
+            return _reject(400, "request body is nested too deeply")
         if not isinstance(req, dict):
             return _reject(400, "request body must be a JSON object")
         model = req.get("model")
@@ -120,9 +174,13 @@ class RoutingCore:
             return _reject(404, f"The model `{model}` does not exist.")
         t1 = time.perf_counter()
         try:
-            prompt = await self.tokenizer.tokenize_body_async(path, req)
+            prompt = await self.tokenizer.tokenize_body_async(path, req, max_text_bytes=lim.max_prompt_bytes)
         except InvalidPrompt as e:
             return _reject(getattr(e, "status", 400), str(e))
+        except PromptTooLarge:  # not worth seconds of CPU to judge: the fallback route takes it
+            return _fail_open("prompt_too_large")
+        except RecursionError:  # e.g. a template's tojson over a deeply nested `tools`
+            return _reject(400, "request body is nested too deeply")
         n_tokens = len(prompt.token_ids)
         if n_tokens > lim.max_prompt_tokens:
             return _reject(
@@ -131,15 +189,7 @@ class RoutingCore:
                 f"However, you requested {n_tokens} tokens in the messages.",
             )
         seed = namespace_seed(prompt.model, lora=prompt.lora, cache_salt=prompt.cache_salt)
-        keys = block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
-        t2 = time.perf_counter()
-        try:
-            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
-        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
-            metrics.DIRECTORY_ERRORS.labels("lookup").inc()
-            log.warning("directory lookup failed (%s); failing open (request_id=%s)", type(e).__name__, request_id)
-            return _fail_open("directory_unavailable", self.policy.name)
-        t3 = time.perf_counter()
+        keys = self.keys.block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
         request = RoutingRequest(
             model=prompt.model,
             prompt_tokens=n_tokens,
@@ -147,34 +197,45 @@ class RoutingCore:
             block_size=lim.block_size,
             request_id=request_id,
         )
+        t2 = time.perf_counter()
+        try:
+            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
+        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+            t3 = time.perf_counter()
+            metrics.DIRECTORY_LOOKUP_SECONDS.observe(t3 - t2)
+            metrics.DIRECTORY_ERRORS.labels("lookup").inc()
+            log.warning("directory lookup failed (%s); failing open (request_id=%s)", type(e).__name__, request_id)
+            failed = _fail_open("directory_unavailable")
+            failed.request = request
+            failed.timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "total": t3 - t0}
+            return failed
+        t3 = time.perf_counter()
+        metrics.DIRECTORY_LOOKUP_SECONDS.observe(t3 - t2)
         decision = self.policy.decide(request, view, self.profile, now=time.monotonic())
         t4 = time.perf_counter()
+        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
         if decision.node is None:
-            return _fail_open("no_live_node", self.policy.name)
+            return RouteResult("fail_open", decision=decision, reason="no_live_node", timings=timings, request=request)
 
         reservation = None
-        try:
-            reservation = await asyncio.wait_for(
-                self.directory.reserve(decision.node.node_id, n_tokens - decision.expected_cached_tokens),
-                lim.lookup_timeout_s,
-            )
-        except (DirectoryUnavailable, asyncio.TimeoutError):
-            # The decision stands; only the shared load accounting misses this request.
-            metrics.DIRECTORY_ERRORS.labels("reserve").inc()
+        if reserve:
+            try:
+                reservation = await asyncio.wait_for(
+                    self.directory.reserve(decision.node.node_id, n_tokens - decision.expected_cached_tokens),
+                    lim.lookup_timeout_s,
+                )
+            except (DirectoryUnavailable, asyncio.TimeoutError):
+                # The decision stands; only the shared load accounting misses this request.
+                metrics.DIRECTORY_ERRORS.labels("reserve").inc()
+            timings["reserve"] = time.perf_counter() - t4
 
         headers = [(DESTINATION_HEADER, decision.destination_header)]
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
-        timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
-        for stage, seconds in timings.items():
-            metrics.DECISION_SECONDS.labels(stage).observe(seconds)
-        metrics.DECISIONS.labels(decision.policy, decision.outcome).inc()
-        metrics.PROMPT_TOKENS.inc(n_tokens)
-        metrics.CACHED_TOKENS.inc(decision.expected_cached_tokens)
-        metrics.INFLIGHT.inc()
         return RouteResult(
-            "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings
+            "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
+            request=request,
         )
 
     async def release(self, result: RouteResult) -> None:
@@ -189,3 +250,13 @@ class RoutingCore:
         except DirectoryUnavailable:
             # Reservations expire in the backend, so a lost release heals by itself.
             metrics.DIRECTORY_ERRORS.labels("release").inc()
+
+
+def _log_decision(result: RouteResult) -> None:
+    """One DEBUG line per decision (the request ID comes from the logging context)."""
+    d = result.decision
+    if result.kind == "routed" and d is not None and d.node is not None:
+        log.debug("routed to %s (%s, %s): %s", d.node.node_id, d.policy, d.outcome, d.reason,
+                  extra={"outcome": d.outcome, "node": d.node.node_id})
+    else:
+        log.debug("failing open: %s", result.reason, extra={"outcome": "fail_open", "reason": result.reason})

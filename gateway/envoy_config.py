@@ -20,6 +20,7 @@ body, about a quarter of the CPU); ``none`` renders plain balancing, the load te
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ _EXT_AUTHZ_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_au
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class EnvoySettings:
     fleet: Sequence[str]  # "host:port" of every serving node (the fallback cluster)
     integration: Literal["ext_proc", "ext_authz", "none"] = "ext_proc"
     ext_proc_address: str = "127.0.0.1:9002"
+    ext_proc_addresses: Sequence[str] = ()  # several kvgate replicas (overrides ext_proc_address)
     ext_authz_address: str = "127.0.0.1:9004"
     listen_address: str = "0.0.0.0:8080"
     admin_address: str = "127.0.0.1:9901"
@@ -58,6 +61,11 @@ class EnvoySettings:
     route_timeout_s: float = 600.0
     connect_timeout_ms: int = 1000
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
+    retries: int = 2  # per request, on connect failure / reset / refused stream (0 = off)
+    health_check_interval_ms: int = 1000  # active health checks of nodes and kvgate replicas (0 = off)
+
+    def ext_proc_endpoints(self) -> tuple[str, ...]:
+        return tuple(self.ext_proc_addresses) or (self.ext_proc_address,)
 
 
 def _socket(address: str) -> dict:
@@ -67,12 +75,49 @@ def _socket(address: str) -> dict:
     return {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
 
 
+def _cluster_type(addresses: Sequence[str]) -> str:
+    """``STATIC`` for IP literals; ``STRICT_DNS`` as soon as one address is a DNS name (e.g. a
+    Kubernetes headless Service): Envoy re-resolves it every few seconds and balances over every
+    address it returns, so pods that come and go are followed without a new bootstrap."""
+    for address in addresses:
+        host = address.rpartition(":")[0].strip("[]")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            return "STRICT_DNS"
+    return "STATIC"
+
+
 def _endpoints(addresses: Sequence[str]) -> list[dict]:
     return [{"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in addresses]}]
 
 
+RETRY_ON = "connect-failure,reset,refused-stream"
+"""Failures before any response byte reached the client: a retry cannot duplicate an answer."""
+
+
+def _retry_policy(s: EnvoySettings, cluster: str) -> dict:
+    """Retries on the fallback cluster go to another node (``previous_hosts``). On the
+    ORIGINAL_DST cluster the header pins the host, so a retry only rides out a transient reset
+    there; a dead chosen node is left to kvgate, which drops it from its candidates as soon as
+    the node's KV-event connection drops (workers/bridge.py)."""
+    policy: dict = {
+        "retry_on": RETRY_ON,
+        "num_retries": s.retries,
+        "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.250s"},
+    }
+    if cluster == "fleet":
+        policy["retry_host_predicate"] = [
+            {"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {"@type": _PREVIOUS_HOSTS}}
+        ]
+        policy["host_selection_retry_max_attempts"] = 5
+    return policy
+
+
 def _route(match: dict, cluster: str, s: EnvoySettings, *, kvgate_disabled: bool = False) -> dict:
     route: dict = {"match": match, "route": {"cluster": cluster, "timeout": f"{s.route_timeout_s}s"}}
+    if s.retries > 0:
+        route["route"]["retry_policy"] = _retry_policy(s, cluster)
     if kvgate_disabled and s.integration == "ext_proc":
         route["typed_per_filter_config"] = {
             "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
@@ -165,15 +210,43 @@ def _http_filters(s: EnvoySettings) -> list[dict]:
     return filters
 
 
+def _health(s: EnvoySettings, check: dict) -> dict:
+    """Active health checking and outlier detection: a dead node or kvgate replica leaves the
+    rotation within about one interval, not after its connections time out one by one."""
+    if s.health_check_interval_ms <= 0:
+        return {}
+    interval = f"{s.health_check_interval_ms / 1000:.3f}s"
+    return {
+        "health_checks": [
+            {
+                "timeout": interval,
+                "interval": interval,
+                "no_traffic_interval": interval,  # the fallback cluster may see no traffic for long
+                "unhealthy_threshold": 2,  # one slow answer from a busy node is not death
+                "healthy_threshold": 1,
+                **check,
+            }
+        ],
+        "outlier_detection": {
+            "consecutive_5xx": 3,
+            "consecutive_gateway_failure": 2,
+            "interval": interval,
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 50,
+        },
+    }
+
+
 def _clusters(s: EnvoySettings) -> list[dict]:
     connect = f"{s.connect_timeout_ms / 1000:.3f}s"
     clusters: list[dict] = [
         {
             "name": "fleet",
-            "type": "STATIC",
+            "type": _cluster_type(s.fleet),
             "connect_timeout": connect,
             "lb_policy": s.lb_policy,
             "load_assignment": {"cluster_name": "fleet", "endpoints": _endpoints(s.fleet)},
+            **_health(s, {"http_health_check": {"path": "/health"}}),
         }
     ]
     if s.integration != "none":
@@ -190,7 +263,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
         clusters.append(
             {
                 "name": "kvgate_ext_authz",
-                "type": "STATIC",
+                "type": _cluster_type([s.ext_authz_address]),
                 "connect_timeout": connect,
                 "load_assignment": {
                     "cluster_name": "kvgate_ext_authz",
@@ -202,7 +275,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
         clusters.append(
             {
                 "name": "kvgate_ext_proc",
-                "type": "STATIC",
+                "type": _cluster_type(s.ext_proc_endpoints()),
                 "connect_timeout": connect,
                 "typed_extension_protocol_options": {
                     "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -212,8 +285,9 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                 },
                 "load_assignment": {
                     "cluster_name": "kvgate_ext_proc",
-                    "endpoints": _endpoints([s.ext_proc_address]),
+                    "endpoints": _endpoints(s.ext_proc_endpoints()),
                 },
+                **_health(s, {"tcp_health_check": {}}),
             }
         )
     return clusters

@@ -2,11 +2,22 @@
 
 Fail-open is a first-class outcome here: an operator must be able to see that traffic is
 flowing on plain balancing because kvgate or its directory is unhealthy.
+
+Two kinds of metric live here. Counters and histograms the request path updates itself (cheap:
+label children the hot path uses are bound once, below, so an observation is one lock and an
+add). And state that already exists elsewhere — the tokenizer cache's counters, each node's load
+and cached blocks — which is read only when ``/metrics`` is scraped, by the collectors at the
+bottom: a request never pays for it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -34,11 +45,23 @@ CACHED_TOKENS = Counter(
     "Prompt tokens the chosen node was expected to hold (locally or by pull)",
     registry=REGISTRY,
 )
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 DECISION_SECONDS = Histogram(
     "kvgate_decision_seconds",
-    "Time from body received to decision, by stage (parse, tokenize, lookup, score, total)",
+    "Time of a routed request's decision, by stage (parse, tokenize, lookup, score; total = their sum; "
+    "reserve = the load reservation after it)",
     ["stage"],
-    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+    buckets=_LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+STAGES = ("parse", "tokenize", "lookup", "score", "total", "reserve")
+STAGE_SECONDS = {stage: DECISION_SECONDS.labels(stage) for stage in STAGES}
+"""Bound children of ``DECISION_SECONDS`` by stage (the hot path indexes this dict)."""
+
+DIRECTORY_LOOKUP_SECONDS = Histogram(
+    "kvgate_directory_lookup_seconds",
+    "Directory lookups of the request path, successful or not (timeouts end at the lookup budget)",
+    buckets=_LATENCY_BUCKETS,
     registry=REGISTRY,
 )
 DIRECTORY_ERRORS = Counter(
@@ -48,3 +71,89 @@ INFLIGHT = Gauge("kvgate_inflight_requests", "Requests routed by this replica an
 EXT_PROC_STREAMS = Counter(
     "kvgate_ext_proc_streams", "ext_proc streams by how they ended (ok, error, cancelled)", ["end"], registry=REGISTRY
 )
+
+
+# --- read at scrape time -------------------------------------------------------------------------
+
+
+class _CacheStats(Protocol):
+    hits: int
+    misses: int
+    bytes: int
+    entries: int
+    capacity_bytes: int
+
+
+class TokenizerCacheCollector(Collector):
+    """The tokenizer's segment cache, read when scraped (``PromptTokenizer.cache_stats``).
+
+    The hit ratio is exported ready-made because it is what an operator watches (a multi-turn
+    workload should sit well above 0.9); the raw counters are there for ``rate()`` over a window.
+    """
+
+    def __init__(self, stats: Callable[[], _CacheStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield CounterMetricFamily("kvgate_tokenizer_cache_hits", "Tokenization cache hits (text segments)", s.hits)
+        yield CounterMetricFamily("kvgate_tokenizer_cache_misses", "Tokenization cache misses (text segments)", s.misses)
+        lookups = s.hits + s.misses
+        yield GaugeMetricFamily(
+            "kvgate_tokenizer_cache_hit_ratio",
+            "Tokenization cache hits / lookups since start (0 before the first lookup)",
+            s.hits / lookups if lookups else 0.0,
+        )
+        yield GaugeMetricFamily("kvgate_tokenizer_cache_bytes", "Bytes held by the tokenization cache", s.bytes)
+        yield GaugeMetricFamily("kvgate_tokenizer_cache_entries", "Entries in the tokenization cache", s.entries)
+        yield GaugeMetricFamily(
+            "kvgate_tokenizer_cache_capacity_bytes", "Byte budget of the tokenization cache", s.capacity_bytes
+        )
+
+
+class _NodeRow(Protocol):
+    node_id: str
+    live: bool
+    inflight: int
+    prefill_tokens: int
+    cached_blocks: int | None
+
+
+class FleetCollector(Collector):
+    """Per-node load and cached blocks from the last fleet snapshot (``FleetMonitor``).
+
+    The admin server refreshes the snapshot before it renders ``/metrics``, so a scrape sees the
+    directory as of that scrape; nothing is polled between scrapes.
+    """
+
+    def __init__(self, rows: Callable[[], Sequence[_NodeRow]]) -> None:
+        self._rows = rows
+
+    def collect(self) -> Iterator[Metric]:
+        rows = list(self._rows())
+        live = GaugeMetricFamily("kvgate_node_live", "1 if the node is live in the directory, else 0", labels=["node"])
+        inflight = GaugeMetricFamily(
+            "kvgate_node_inflight_requests", "In-flight requests on the node, as every replica sees them", labels=["node"]
+        )
+        queued = GaugeMetricFamily(
+            "kvgate_node_queued_prefill_tokens", "Prefill tokens reserved on the node and not yet released", labels=["node"]
+        )
+        cached = GaugeMetricFamily(
+            "kvgate_node_cached_blocks", "KV blocks the directory holds for the node (where known)", labels=["node"]
+        )
+        for r in rows:
+            live.add_metric([r.node_id], 1.0 if r.live else 0.0)
+            if r.live:
+                inflight.add_metric([r.node_id], r.inflight)
+                queued.add_metric([r.node_id], r.prefill_tokens)
+            if r.cached_blocks is not None:
+                cached.add_metric([r.node_id], r.cached_blocks)
+        yield GaugeMetricFamily("kvgate_live_nodes", "Nodes live in the directory", sum(1 for r in rows if r.live))
+        yield from (live, inflight, queued, cached)
+
+
+def exposition(registries: Iterable[CollectorRegistry]) -> bytes:
+    """The text exposition of several registries, one after another (their names do not overlap)."""
+    from prometheus_client import generate_latest
+
+    return b"".join(generate_latest(r) for r in registries)

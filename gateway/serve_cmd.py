@@ -18,21 +18,30 @@ import contextlib
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from directory_client import open_directory
+from directory_client.factory import redact_url
 from directory_client.types import NodeInfo
 from ext_proc.ext_authz import ExtAuthzService, build_ext_authz_app
 from ext_proc.server import build_server
 from gateway.admin import build_admin_app
+from gateway.admin_debug import DebugApi
 from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
+from gateway.decision_log import DecisionLog
+from gateway.discovery import build_discovery
 from gateway.fleet import StaticFleetKeeper
+from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
 from gateway.policy import make_policy
 from gateway.profile import load_profile
 from tokenizer import PromptTokenizer
+
+if TYPE_CHECKING:
+    from gateway.tracing import Tracing
 
 log = logging.getLogger("kvgate.serve")
 
@@ -57,6 +66,7 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         block_size=cfg.block_size,
         max_body_bytes=cfg.limits.max_body_bytes,
         max_prompt_tokens=cfg.limits.max_prompt_tokens,
+        max_prompt_bytes=cfg.limits.max_prompt_bytes,
         models=frozenset(cfg.models),
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
@@ -115,25 +125,46 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         heartbeat_ttl_s=cfg.directory.heartbeat_ttl_s,
         index_stride=cfg.directory.index_stride,
         op_timeout_s=cfg.directory.op_timeout_s,
+        tls_ca_file=cfg.directory.tls_ca_file,
+        tls_cert_file=cfg.directory.tls_cert_file,
+        tls_key_file=cfg.directory.tls_key_file,
     )
     policy = make_policy(
         cfg.policy.name,
         **cfg.policy.options(),
     )
-    core = RoutingCore(tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg))
+    decision_log = DecisionLog(cfg.admin.decision_log_size) if cfg.admin.debug else None
+    tracing = start_tracing(cfg)
+    core = RoutingCore(
+        tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg),
+        decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None,
+    )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
+    discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
     grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
     authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
-    runners = [(web.AppRunner(build_admin_app(directory), access_log=None), cfg.admin_port)]
+    monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
+    debug = None
+    if decision_log is not None:
+        debug = DebugApi(core, decision_log, monitor, token=cfg.admin.bearer_token() or "")
+    admin = build_admin_app(
+        directory, tokenizer=tokenizer, monitor=monitor, debug=debug,
+        client_max_size=cfg.limits.max_body_bytes + (1 << 20),
+    )
+    runners = [(web.AppRunner(admin, access_log=None), cfg.admin_port)]
     if authz is not None:
         app = build_ext_authz_app(authz, max_body_bytes=cfg.limits.max_body_bytes)
         runners.append((web.AppRunner(app, access_log=None), cfg.ext_authz_port))
     try:
+        if tracing is not None:
+            await tracing.start()
         await keeper.start()
         for bridge in bridges:
             await bridge.start()
+        if discovery is not None:
+            await discovery.start()
         if grpc_server is not None:
             await grpc_server.start()
         for runner, port in runners:
@@ -142,7 +173,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         log.info(
             "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
-            cfg.directory.url, cfg.policy.name, len(cfg.fleet), len(cfg.fleet) - len(keeper.nodes),
+            redact_url(cfg.directory.url), cfg.policy.name, len(cfg.fleet), len(cfg.fleet) - len(keeper.nodes),
         )
         await stop.wait()
     finally:
@@ -153,10 +184,33 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await runner.cleanup()
         if authz is not None:
             await authz.aclose()
+        if discovery is not None:
+            await discovery.aclose()
         for bridge in bridges:
             await bridge.aclose()
         await keeper.aclose()
         await directory.aclose()
+        if tracing is not None:
+            await tracing.aclose()  # exports the spans still queued
+
+
+def start_tracing(cfg: KvgateConfig) -> Tracing | None:
+    """The OpenTelemetry pipeline when ``tracing.enabled`` (and not ``OTEL_SDK_DISABLED``), else None.
+
+    Imported here, not at the top: with tracing off ``gateway.tracing`` is never loaded. An
+    ``OTEL_*`` value it cannot use is a configuration error, reported before any traffic.
+    """
+    if not cfg.tracing.enabled:
+        return None
+    from gateway.tracing import Tracing, TracingSetupError, tracing_disabled_by_env
+
+    if tracing_disabled_by_env():
+        log.info("tracing is enabled in the config but OTEL_SDK_DISABLED=true: no spans")
+        return None
+    try:
+        return Tracing(cfg.tracing.service_name)
+    except TracingSetupError as e:
+        raise ConfigError(f"tracing: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,5 +226,9 @@ def run(args: argparse.Namespace) -> int:
         uvloop.install()
     except ImportError:
         pass
-    asyncio.run(serve(cfg))
+    try:
+        asyncio.run(serve(cfg))
+    except ConfigError as e:  # found while wiring, e.g. an OTEL_* variable tracing cannot use
+        print(f"kvgate: invalid configuration:\n{e}", file=sys.stderr)
+        return 2
     return 0

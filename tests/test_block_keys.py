@@ -97,3 +97,52 @@ def test_invalid_shapes_and_block_sizes_are_rejected() -> None:
         block_keys(np.zeros((2, 16), dtype=np.uint32), block_size=BS, seed=SEED)
     with pytest.raises(ValueError, match="block_size"):
         block_keys([1, 2, 3], block_size=0, seed=SEED)
+
+
+# --- PrefixKeyCache: the gateway's cached keying must equal block_keys exactly -------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tokenizer.keys import PrefixKeyCache  # noqa: E402
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    base=st.lists(st.integers(0, 2**32 - 1), max_size=400),
+    extensions=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=120), min_size=1, max_size=4),
+    block_size=st.sampled_from([1, 4, 16]),
+    segment_blocks=st.sampled_from([1, 2, 5]),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_prefix_key_cache_equals_block_keys(base, extensions, block_size, segment_blocks, seed):
+    """A growing conversation, keyed turn after turn through one cache, gives exactly block_keys."""
+    cache = PrefixKeyCache(segment_blocks=segment_blocks, max_segments=64)
+    prompt = list(base)
+    for ext in extensions:
+        prompt += ext
+        assert cache.block_keys(prompt, block_size=block_size, seed=seed) == block_keys(
+            prompt, block_size=block_size, seed=seed
+        )
+        # the same prompt under another seed must not reuse this chain's segments
+        other = seed ^ 1
+        assert cache.block_keys(prompt, block_size=block_size, seed=other) == block_keys(
+            prompt, block_size=block_size, seed=other
+        )
+
+
+def test_prefix_key_cache_reuses_the_history_of_a_chat():
+    cache = PrefixKeyCache(segment_blocks=8, max_segments=1000)
+    history = list(range(16 * 64))  # 64 blocks = 8 segments
+    cache.block_keys(history, block_size=16, seed=7)
+    assert (cache.hits, cache.misses) == (0, 8)
+    cache.block_keys(history + list(range(500, 700)), block_size=16, seed=7)
+    assert cache.hits == 8  # the history's segments were found, not re-keyed
+    cache.block_keys([1] + history[1:], block_size=16, seed=7)  # a different first token
+    assert cache.hits == 8  # nothing after a changed token is reused
+
+
+def test_prefix_key_cache_is_bounded():
+    cache = PrefixKeyCache(segment_blocks=1, max_segments=10)
+    cache.block_keys(list(range(16 * 50)), block_size=16, seed=1)
+    assert len(cache._segments) == 10

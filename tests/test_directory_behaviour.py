@@ -15,6 +15,8 @@ from directory_client import (
     InProcessDirectory,
     NodeInfo,
     NodeLoad,
+    Reservation,
+    ReservationConflict,
     Tier,
     UnknownNode,
     open_directory,
@@ -294,6 +296,29 @@ async def test_concurrent_reserves_from_two_clients_add_up(backend: Backend) -> 
     await asyncio.gather(*(one.release(r) for r in reservations[:half]))
     await asyncio.gather(*(two.release(r) for r in reservations))  # overlaps: idempotent
     assert await one.loads() == {"a": NodeLoad(), "b": NodeLoad()}
+
+
+async def test_compare_and_reserve_lets_only_one_of_two_racing_clients_take_an_idle_node(
+    backend: Backend,
+) -> None:
+    """Two replicas that both saw node a idle: exactly one gets it, the other is told to decide
+    again and nothing is counted for it — the herding the unconditional reserve allowed."""
+    one, two = backend.make(), backend.make(op_timeout_s=2.0)
+    await one.register_node(node("a"))
+    results = await asyncio.gather(
+        *(c.reserve("a", 100, if_inflight_at_most=0) for c in (one, two)), return_exceptions=True
+    )
+    taken = [r for r in results if isinstance(r, Reservation)]
+    refused = [r for r in results if isinstance(r, ReservationConflict)]
+    assert (len(taken), len(refused)) == (1, 1)
+    assert await two.loads() == {"a": NodeLoad(1, 100)}
+    # the refused one takes it knowing the new load; unconditional reserves never conflict
+    second = await two.reserve("a", 50, if_inflight_at_most=1)
+    third = await one.reserve("a", 5)
+    assert await one.loads() == {"a": NodeLoad(3, 155)}
+    for r in (taken[0], second, third):
+        await one.release(r)
+    assert await two.loads() == {"a": NodeLoad()}
 
 
 @pytest.mark.parametrize("stride", [4, 8])

@@ -3,27 +3,14 @@ Envoy's least-request fallback, and cache routing comes back when the part retur
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 
 import pytest
 
-from tests.conftest import free_port
+from tests.redis_servers import RedisProcess, private_redis  # noqa: F401 — fixture
 from tests.support.http import eventually, get_json, post_json, request
-from tests.support.procs import wait_for_port
 from tests.support.stack import MODEL, Stack, chat, document, keys_of
 from tokenizer import PromptTokenizer
-
-
-def start_private_redis(port: int, tmp) -> subprocess.Popen:
-    """A redis-server of this test's own: the shared one is never stopped."""
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    wait_for_port(port, proc=proc)
-    return proc
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +39,13 @@ def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok
         stack.stop()
 
 
-def test_requests_flow_when_redis_stops_and_routing_recovers(tmp_path, envoy_bin, tok) -> None:
-    redis_port = free_port()
-    redis = start_private_redis(redis_port, tmp_path)
+def test_requests_flow_when_redis_stops_and_routing_recovers(
+    tmp_path, envoy_bin, tok, private_redis: RedisProcess
+) -> None:
+    redis = private_redis
     stack = None
     try:
-        stack = Stack(tmp_path, envoy_bin, f"redis://127.0.0.1:{redis_port}/0", "kvgate-failopen")
+        stack = Stack(tmp_path, envoy_bin, redis.url, "kvgate-failopen")
         history = chat(document("canyon"), "Describe it.")
         keys = keys_of(tok, "/v1/chat/completions", history)
         stack.seed("b", keys)
@@ -65,7 +53,6 @@ def test_requests_flow_when_redis_stops_and_routing_recovers(tmp_path, envoy_bin
         assert (status, body["node"]) == (200, "b")
 
         redis.kill()
-        redis.wait()
         for i in range(6):
             status, body = post_json(stack.url("/v1/chat/completions"), history)
             assert status == 200, body
@@ -73,7 +60,7 @@ def test_requests_flow_when_redis_stops_and_routing_recovers(tmp_path, envoy_bin
         status, ready = get_json(f"http://127.0.0.1:{stack.admin_port}/readyz")
         assert status == 503 and ready["ready"] is False
 
-        redis = start_private_redis(redis_port, tmp_path)  # comes back empty: nothing persisted
+        redis.start()  # comes back empty on the same port: nothing persisted
         eventually(lambda: get_json(f"http://127.0.0.1:{stack.admin_port}/readyz")[1].get("live_nodes") == 3, timeout_s=15)
         stack.seed("b", keys)  # the bridge would republish; here the test does
         status, body = post_json(stack.url("/v1/chat/completions"), history)
@@ -83,5 +70,3 @@ def test_requests_flow_when_redis_stops_and_routing_recovers(tmp_path, envoy_bin
     finally:
         if stack is not None:
             stack.stop()
-        redis.kill()
-        redis.wait()

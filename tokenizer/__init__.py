@@ -12,18 +12,19 @@ from typing import TYPE_CHECKING, Any
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
 
 if TYPE_CHECKING:
-    from tokenizer.errors import InvalidPrompt
+    from tokenizer.errors import InvalidPrompt, PromptTooLarge
     from tokenizer.lru import CacheStats
     from tokenizer.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
 
 _LAZY = {
     "InvalidPrompt": "tokenizer.errors",
+    "PromptTooLarge": "tokenizer.errors",
     "CacheStats": "tokenizer.lru",
     "PromptTokenizer": "tokenizer.prompt_tokenizer",
     "TokenizedPrompt": "tokenizer.prompt_tokenizer",
 }
 
-__all__ = ["BlockKey", "CacheStats", "InvalidPrompt", "PromptTokenizer", "TokenizedPrompt", "block_keys", "namespace_seed"]
+__all__ = ["BlockKey", "CacheStats", "InvalidPrompt", "PromptTokenizer", "PromptTooLarge", "TokenizedPrompt", "block_keys", "namespace_seed"]
 
 
 def __getattr__(name: str) -> Any:

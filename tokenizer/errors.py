@@ -12,3 +12,11 @@ class InvalidPrompt(ValueError):
     """
 
     status: int = 400
+
+
+class PromptTooLarge(Exception):
+    """The rendered prompt is longer than the caller agreed to tokenize (``max_text_bytes``).
+
+    Not a client mistake as such (the engine may still take it), so the gateway passes the
+    request through unjudged; the cap exists so a hostile body cannot buy seconds of CPU.
+    """

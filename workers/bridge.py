@@ -25,9 +25,12 @@ What it guarantees (and what it does not):
   events may have been lost unannounced) clear the node, then the bridge replays from seq 0 to
   rebuild it.
 * **Liveness follows the engine.** The node is registered and heartbeated only while the bridge
-  holds a live ZMQ connection to its publisher (a ZMQ socket monitor sees the TCP connection drop
-  at once on ``kill -9``); without heartbeats its entries stop being returned after the
-  directory's TTL. A hung engine that keeps its socket open is not detected.
+  holds a live ZMQ connection to its publisher: one whose ZMTP handshake completed and whose ZMTP
+  heartbeats are answered within ``engine_timeout_s``. When the connection drops (a ZMQ socket
+  monitor sees it at once on ``kill -9``; a paused or hung engine stops answering heartbeats) the
+  node is **deregistered at once**, so the gateway stops choosing it in milliseconds rather than
+  after the heartbeat TTL; its entries would be cleared on reconnect anyway. If the directory is
+  down at that moment, the TTL retires the node.
 * **A directory outage never stops the bridge.** Events keep being applied to the in-memory map;
   after any ``DirectoryUnavailable`` the next successful flush re-registers the node and rewrites
   its entries from the map (clear, then store all), so nothing is lost but freshness during the
@@ -36,9 +39,13 @@ What it guarantees (and what it does not):
   is matched by a removal), so it is bounded by the engine's capacity; ``max_blocks_per_node``
   (default 8× the declared capacity, or 4M) guards against an engine that never sends removals:
   past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
-* **Untrusted input.** A batch that does not decode is logged, counted
-  (``kvgate_bridge_malformed_batches_total``) and skipped; its sequence number is consumed. Bad
-  events inside a good batch are dropped one by one (``kvgate_bridge_rejected_events_total``).
+* **Untrusted input.** A batch that does not decode, or is larger than ``max_batch_bytes``
+  (default 16 MiB; vLLM's per-step batches are kilobytes), is logged, counted
+  (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed.
+  Bad events inside a good batch are dropped one by one (``kvgate_bridge_rejected_events_total``).
+* **Backpressure.** A flood cannot queue without bound: ZMQ holds at most ``RCVHWM`` batches for
+  us and drops the rest at the publisher, which the bridge sees as a sequence gap and repairs by
+  replay; pending directory writes are folded per key, so they are bounded by the blocks held.
 
 Not handled: ``cache_salt`` (vLLM carries it inside ``extra_keys``; salted blocks are keyed as
 unsalted), the deprecated ``lora_id`` (only ``lora_name`` changes the key seed).
@@ -389,6 +396,7 @@ class _Stream:
     last_live: int | None = None  # last live seq on the current connection
     connected: bool = False
     registered: bool = False
+    withdraw: bool = False  # the engine went away while registered: deregister it
     rewrite_all: bool = False  # the directory may have lost our writes: rewrite from `blocks`
     directory_down: bool = False  # for logging the outage once, not per failed call
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
@@ -423,6 +431,8 @@ class KVEventBridge:
         flush_max_keys: int = 2048,
         replay_timeout_s: float = 2.0,
         max_blocks_per_node: int | None = None,
+        engine_timeout_s: float = 3.0,
+        max_batch_bytes: int = 16 << 20,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -437,6 +447,10 @@ class KVEventBridge:
         self._flush_interval_s = flush_interval_s
         self._flush_max_keys = flush_max_keys
         self._replay_timeout_s = replay_timeout_s
+        if engine_timeout_s <= 0:
+            raise ValueError("engine_timeout_s must be positive")
+        self._engine_timeout_ms = max(int(engine_timeout_s * 1000), 10)
+        self._max_batch_bytes = max_batch_bytes
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
             cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
@@ -528,7 +542,13 @@ class KVEventBridge:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, st.spec.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # ZMTP heartbeats: an engine that is paused or hung (socket open, nobody home) stops
+        # answering them and the connection is dropped, exactly as if it had died
+        sub.setsockopt(zmq.HEARTBEAT_IVL, max(self._engine_timeout_ms // 3, 1))
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, self._engine_timeout_ms)
+        # a connection counts once the engine completed the ZMTP handshake: a paused engine's
+        # kernel still accepts TCP connections, but never greets
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sub.connect(st.spec.events)
         poller = zmq.asyncio.Poller()
         poller.register(monitor, zmq.POLLIN)
@@ -558,7 +578,7 @@ class KVEventBridge:
             sub.close(linger=0)
 
     async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
-        if event["event"] == zmq.EVENT_CONNECTED:
+        if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             log.info("node %s: connected to %s", st.spec.node_id, st.spec.events)
             st.connected = True
             st.liveness_changed.set()
@@ -569,6 +589,7 @@ class KVEventBridge:
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             log.warning("node %s: lost %s; heartbeats stop", st.spec.node_id, st.spec.events)
             st.connected = False
+            st.withdraw = st.withdraw or st.registered
             st.registered = False
             st.expected = None
             st.liveness_changed.set()
@@ -686,6 +707,10 @@ class KVEventBridge:
 
     def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
         node = st.spec.node_id
+        if len(payload) > self._max_batch_bytes:  # never decode it: msgpack objects cost ~10x the bytes
+            log.warning("node %s: skipping batch seq %d of %d bytes (limit %d)", node, seq, len(payload), self._max_batch_bytes)
+            self._count_malformed(st)
+            return
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
@@ -807,11 +832,19 @@ class KVEventBridge:
                     if not st.registered:
                         await self._directory.register_node(st.info)
                         st.registered = True
+                        st.withdraw = False
                 except Exception as exc:
                     if not isinstance(exc, DirectoryUnavailable):
                         log.exception("node %s: registration failed", st.spec.node_id)
                     self._directory_failed(st, exc)
                     st.dirty.set()
+            elif st.withdraw:
+                try:
+                    await self._directory.deregister_node(st.spec.node_id)
+                    st.withdraw = False
+                    log.info("node %s: engine gone; deregistered", st.spec.node_id)
+                except Exception as exc:  # the heartbeat TTL retires it if we cannot
+                    log.warning("node %s: deregistration failed (%r); will retry", st.spec.node_id, exc)
             st.liveness_changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._heartbeat_interval_s):

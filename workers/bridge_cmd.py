@@ -38,6 +38,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer")
     parser.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=3.0,
+        help="seconds an engine may leave ZMTP heartbeats unanswered (paused, hung) before its node is dropped",
+    )
+    parser.add_argument(
         "--engine",
         type=_engine,
         action="append",
@@ -83,6 +89,7 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
             block_size=args.block_size,
             heartbeat_interval_s=interval,
             replay_timeout_s=args.replay_timeout,
+            engine_timeout_s=args.engine_timeout,
         )
         await bridge.start()
         log.info(

@@ -1,0 +1,172 @@
+"""The fleet as an operator sees it: every node, live or not, with its load and cached blocks.
+
+Built on demand (``/debug/nodes``, the dashboard, a ``/metrics`` scrape) and shared for
+``max_age_s``, so any number of viewers cost the directory at most two calls (``live_nodes``,
+``loads``) a second; concurrent callers wait for the same refresh. Nothing runs between reads.
+
+Where "cached blocks" comes from, in order: the directory itself, if its backend can count a
+node's blocks cheaply (an optional ``block_counts()`` method, see ``BlockCounting``); otherwise the
+KV-event bridges running in this process (each knows how many keys it mirrors for its engines).
+A node neither knows about shows ``None``: unknown, not zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeLoad
+
+
+@runtime_checkable
+class BlockCounting(Protocol):
+    """A directory backend that can say how many blocks it holds per live node in one call."""
+
+    async def block_counts(self) -> dict[str, int]: ...
+
+
+class BridgeStats(Protocol):
+    """What ``workers.bridge.KVEventBridge`` exposes per followed engine."""
+
+    @property
+    def node_ids(self) -> list[str]: ...
+
+    def stats(self, node_id: str) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class NodeStatus:
+    node_id: str
+    address: str
+    live: bool
+    model: str = ""
+    transfer_endpoint: str = ""
+    capacity_blocks: int = 0
+    inflight: int = 0
+    prefill_tokens: int = 0
+    cached_blocks: int | None = None
+    bridge: dict[str, Any] | None = None  # the in-process bridge's view of this engine, if any
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    taken_at: float  # wall clock, seconds
+    nodes: tuple[NodeStatus, ...]
+    cached_blocks_source: str  # "directory", "bridge" or "none"
+    error: str = ""  # the directory could not be read; nodes are then those configured, not live
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "taken_at": self.taken_at,
+            "cached_blocks_source": self.cached_blocks_source,
+            "error": self.error,
+            "nodes": [asdict(n) for n in self.nodes],
+        }
+
+
+_BRIDGE_FIELDS = ("connected", "registered", "batches", "gaps_repaired", "gaps_unrecoverable", "resets",
+                  "dropped_blocks", "malformed_batches", "directory_errors")  # fmt: skip
+
+
+class FleetMonitor:
+    def __init__(
+        self,
+        directory: Directory,
+        *,
+        configured: Sequence[tuple[str, str]] = (),
+        bridges: Callable[[], Iterable[BridgeStats]] = tuple,
+        max_age_s: float = 1.0,
+        timeout_s: float = 0.5,
+    ) -> None:
+        """``configured``: (node_id, address) of the static fleet, shown even while down."""
+        self._directory = directory
+        self._configured = list(configured)
+        self._bridges = bridges
+        self._max_age_s = max_age_s
+        self._timeout_s = timeout_s
+        self._last: FleetSnapshot | None = None
+        self._last_mono = float("-inf")
+        self._refreshing: asyncio.Future[FleetSnapshot] | None = None
+
+    @property
+    def last(self) -> FleetSnapshot | None:
+        return self._last
+
+    def last_nodes(self) -> tuple[NodeStatus, ...]:
+        return () if self._last is None else self._last.nodes
+
+    async def snapshot(self) -> FleetSnapshot:
+        """A snapshot at most ``max_age_s`` old."""
+        if self._last is not None and time.monotonic() - self._last_mono < self._max_age_s:
+            return self._last
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh())
+            self._refreshing.add_done_callback(self._refreshed)
+        return await asyncio.shield(self._refreshing)
+
+    def _refreshed(self, fut: asyncio.Future[FleetSnapshot]) -> None:
+        self._refreshing = None
+        if not fut.cancelled() and fut.exception() is None:
+            self._last = fut.result()
+            self._last_mono = time.monotonic()
+
+    async def _refresh(self) -> FleetSnapshot:
+        taken = time.time()
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                live = await self._directory.live_nodes()
+                loads = await self._directory.loads()
+                counts = await self._directory.block_counts() if isinstance(self._directory, BlockCounting) else None
+        except (DirectoryUnavailable, TimeoutError) as e:
+            nodes = tuple(NodeStatus(node_id=i, address=a, live=False) for i, a in self._configured)
+            return FleetSnapshot(taken, nodes, "none", error=f"directory unavailable: {type(e).__name__}")
+        bridged = self._bridge_stats()
+        source = "directory" if counts is not None else ("bridge" if bridged else "none")
+        by_id: dict[str, NodeStatus] = {}
+        for info in live:
+            by_id[info.node_id] = self._status(info, loads.get(info.node_id, NodeLoad()), counts, bridged)
+        for node_id, address in self._configured:
+            if node_id not in by_id:
+                stats = bridged.get(node_id)
+                by_id[node_id] = NodeStatus(node_id=node_id, address=address, live=False, bridge=_bridge_view(stats))
+        return FleetSnapshot(taken, tuple(by_id[k] for k in sorted(by_id)), source)
+
+    def _bridge_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for bridge in self._bridges():
+            for node_id in bridge.node_ids:
+                out[node_id] = bridge.stats(node_id)
+        return out
+
+    @staticmethod
+    def _status(
+        info: NodeInfo, load: NodeLoad, counts: dict[str, int] | None, bridged: dict[str, Any]
+    ) -> NodeStatus:
+        stats = bridged.get(info.node_id)
+        if counts is not None:
+            cached: int | None = counts.get(info.node_id, 0)
+        elif stats is not None:
+            cached = stats.tracked_keys
+        else:
+            cached = None
+        return NodeStatus(
+            node_id=info.node_id,
+            address=info.address,
+            live=True,
+            model=info.model,
+            transfer_endpoint=info.transfer_endpoint,
+            capacity_blocks=info.capacity_blocks,
+            inflight=load.inflight,
+            prefill_tokens=load.prefill_tokens,
+            cached_blocks=cached,
+            bridge=_bridge_view(stats),
+        )
+
+
+def _bridge_view(stats: Any) -> dict[str, Any] | None:
+    if stats is None:
+        return None
+    return {f: getattr(stats, f) for f in _BRIDGE_FIELDS if hasattr(stats, f)}
