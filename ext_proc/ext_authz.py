@@ -14,10 +14,10 @@ answer:
   is why an internal problem is never answered with a 4xx.
 
 One difference from ext_proc: ext_authz has no response phase, so the end of the response is
-never seen. The node's load reservation is therefore released after the decision's estimated
-time to first token (queue + transfer + prefill, floored at ``min_hold_s``): the shared load then
-tracks queued prefill, which is what the cost model's queue estimate is made of, but not the
-decode phase. ext_proc's accounting is exact; see the README for which to choose when.
+never seen. The node's load reservation is therefore released after the decision's estimate of
+the whole service (``RouteResult.service_s``: queue + transfer + prefill + the answer's token
+budget at the node's batch size), while the core settles its prefill part at the estimated first
+token exactly as for ext_proc. ext_proc's accounting is exact; the README says which to choose.
 """
 
 from __future__ import annotations
@@ -36,19 +36,9 @@ log = logging.getLogger("kvgate.ext_authz")
 AUTHZ_PATH_PREFIX = "/kvgate/authz"
 
 
-def estimated_hold_s(result: RouteResult, min_hold_s: float) -> float:
-    """How long the routed request keeps its node busy before its first token, by the policy's own estimate."""
-    d = result.decision
-    if d is None or d.node is None:
-        return min_hold_s
-    chosen = [c.total_s for c in d.candidates if c.node_id == d.node.node_id]
-    return max(min(chosen, default=min_hold_s), min_hold_s)
-
-
 class ExtAuthzService:
-    def __init__(self, core: RoutingCore, *, min_hold_s: float = 0.05) -> None:
+    def __init__(self, core: RoutingCore) -> None:
         self.core = core
-        self.min_hold_s = min_hold_s
         self._pending: dict[asyncio.TimerHandle, RouteResult] = {}
 
     async def check(self, request: web.Request) -> web.Response:
@@ -77,7 +67,7 @@ class ExtAuthzService:
             self._pending.pop(handle, None)
             loop.create_task(self.core.release(result))
 
-        handle = loop.call_later(estimated_hold_s(result, self.min_hold_s), fire)
+        handle = loop.call_later(result.service_s, fire)
         self._pending[handle] = result
 
     async def aclose(self) -> None:

@@ -29,8 +29,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
+import xxhash
 
-from directory_client.types import Directory, DirectoryUnavailable, Reservation
+from directory_client.types import (
+    Directory,
+    DirectoryUnavailable,
+    DirectoryView,
+    NodeLoad,
+    Reservation,
+    ReservationConflict,
+)
 from gateway import metrics
 from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
@@ -43,6 +51,9 @@ if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from gateway.tracing import DecisionTracer
 
 log = logging.getLogger("kvgate.core")
+
+DEFAULT_ANSWER_TOKENS = 256  # answer length assumed when a request sets no max_tokens
+MIN_HOLD_S = 0.005  # floor of every time estimate: a reservation is never settled instantly
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -71,6 +82,10 @@ class RouteResult:
     reason: str = ""
     timings: dict[str, float] = field(default_factory=dict)
     request: RoutingRequest | None = None  # what the policy was asked (None: rejected before tokenizing)
+    ttft_s: float = 0.0  # the policy's estimate of the time to first token on the chosen node
+    service_s: float = 0.0  # ... and until the last token (for integrations that never see the end)
+    settle: asyncio.TimerHandle | None = None
+    released: bool = False
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -125,6 +140,7 @@ class RoutingCore:
         self.profile = profile
         self.limits = limits
         self.keys = PrefixKeyCache()
+        self._tasks: set[asyncio.Task] = set()
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
 
@@ -196,34 +212,35 @@ class RoutingCore:
             total_blocks=len(keys),
             block_size=lim.block_size,
             request_id=request_id,
+            affinity=keys[-1] if keys else seed ^ xxhash.xxh3_64_intdigest(prompt.token_ids.tobytes()),
         )
         t2 = time.perf_counter()
-        try:
-            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
-        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
-            t3 = time.perf_counter()
-            metrics.DIRECTORY_LOOKUP_SECONDS.observe(t3 - t2)
-            metrics.DIRECTORY_ERRORS.labels("lookup").inc()
-            log.warning("directory lookup failed (%s); failing open (request_id=%s)", type(e).__name__, request_id)
-            failed = _fail_open("directory_unavailable")
-            failed.request = request
-            failed.timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "total": t3 - t0}
-            return failed
-        t3 = time.perf_counter()
-        metrics.DIRECTORY_LOOKUP_SECONDS.observe(t3 - t2)
-        decision = self.policy.decide(request, view, self.profile, now=time.monotonic())
-        t4 = time.perf_counter()
+        decided = await self._decide(request, keys)
+        t3, t4 = decided.looked_up, time.perf_counter()
         timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
-        if decision.node is None:
-            return RouteResult("fail_open", decision=decision, reason="no_live_node", timings=timings, request=request)
+        if decided.view is None:  # the lookup failed: nothing was scored
+            del timings["score"]
+            timings["total"] = t3 - t0
+        if decided.failed is not None:
+            decided.failed.request = request
+            decided.failed.timings = timings
+            return decided.failed
+        decision = decided.decision
+        assert decision is not None and decision.node is not None
 
         reservation = None
         if reserve:
             try:
-                reservation = await asyncio.wait_for(
-                    self.directory.reserve(decision.node.node_id, n_tokens - decision.expected_cached_tokens),
-                    lim.lookup_timeout_s,
-                )
+                reservation = await self._reserve(decided, n_tokens)
+            except ReservationConflict:
+                # Another replica took the node this decision saw idle: decide again on a fresh
+                # view (its load now counted) and take that node whatever happens next.
+                metrics.RESERVATION_CONFLICTS.inc()
+                again = await self._decide(request, keys)
+                if again.failed is None:
+                    decided, decision = again, again.decision
+                    assert decision is not None and decision.node is not None
+                    reservation = await self._reserve(decided, n_tokens, conditional=False)
             except (DirectoryUnavailable, asyncio.TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
@@ -233,23 +250,129 @@ class RoutingCore:
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
-        return RouteResult(
+        ttft_s = _estimated_ttft_s(decision)
+        result = RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
-            request=request,
+            request=request, ttft_s=ttft_s,
+            service_s=ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision)),
         )
+        if reservation is not None and reservation.prefill_tokens > 0:
+            self._settle_at_first_token(result)
+        return result
+
+    async def _decide(self, request: RoutingRequest, keys: list) -> _Decided:
+        """Directory lookup under the configured timeout, then the policy (pure, no I/O)."""
+        lim = self.limits
+        t = time.perf_counter()
+        try:
+            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
+        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+            done = time.perf_counter()
+            metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
+            metrics.DIRECTORY_ERRORS.labels("lookup").inc()
+            log.warning("directory lookup failed (%s); failing open", type(e).__name__)
+            return _Decided(None, None, done, _fail_open("directory_unavailable"))
+        done = time.perf_counter()
+        metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
+        decision = self.policy.decide(request, view, self.profile, now=time.monotonic())
+        if decision.node is None:
+            return _Decided(view, decision, done, RouteResult("fail_open", decision=decision, reason="no_live_node"))
+        return _Decided(view, decision, done, None)
+
+    async def _reserve(self, decided: _Decided, n_tokens: int, *, conditional: bool = True) -> Reservation:
+        """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup."""
+        decision = decided.decision
+        assert decision is not None and decision.node is not None
+        seen = decided.chosen_load(decision)
+        return await asyncio.wait_for(
+            self.directory.reserve(
+                decision.node.node_id,
+                n_tokens - decision.expected_cached_tokens,
+                if_inflight_at_most=seen.inflight if conditional else None,
+            ),
+            self.limits.lookup_timeout_s,
+        )
+
+    def _decode_s(self, req: dict, n_tokens: int, load: NodeLoad) -> float:
+        """Modelled decode time of the answer: its token budget at the node's current batch size."""
+        budget = req.get("max_completion_tokens") or req.get("max_tokens")
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            budget = DEFAULT_ANSWER_TOKENS
+        return budget * self.profile.decode_step_seconds(load.inflight + 1, n_tokens)
+
+    def _settle_at_first_token(self, result: RouteResult) -> None:
+        """Stop counting the request's prompt as queued prefill once its first token is due.
+
+        The node is still busy decoding it (it stays in flight until the response ends), but a
+        prompt already prefilled must not make the owner look queued to the next turn of the same
+        conversation — that is what sent follow-up turns away from their cache. ext_proc never
+        sees the first token, so the policy's own estimate stands in for it.
+        """
+        loop = asyncio.get_running_loop()
+
+        def fire() -> None:
+            task = loop.create_task(self._settle(result))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        result.settle = loop.call_later(result.ttft_s, fire)
+
+    async def _settle(self, result: RouteResult) -> None:
+        prefill = result.reservation
+        if prefill is None or result.released:
+            return
+        try:
+            in_flight = await self.directory.reserve(prefill.node_id, 0)
+        except (DirectoryUnavailable, ReservationConflict):
+            return  # keep counting the prefill: the reservation still expires in the end
+        if result.released:  # the response ended while we were away
+            await self._give_back(in_flight)
+            return
+        result.reservation = in_flight
+        await self._give_back(prefill)
 
     async def release(self, result: RouteResult) -> None:
         """Give back the load a routed request took; called when its response has ended."""
-        if result.kind != "routed":
+        if result.kind != "routed" or result.released:
             return
+        result.released = True
         metrics.INFLIGHT.dec()
-        if result.reservation is None:
-            return
+        if result.settle is not None:
+            result.settle.cancel()
+        if result.reservation is not None:
+            await self._give_back(result.reservation)
+
+    async def _give_back(self, reservation: Reservation) -> None:
         try:
-            await self.directory.release(result.reservation)
+            await self.directory.release(reservation)
         except DirectoryUnavailable:
             # Reservations expire in the backend, so a lost release heals by itself.
             metrics.DIRECTORY_ERRORS.labels("release").inc()
+
+
+@dataclass(slots=True)
+class _Decided:
+    """One lookup + policy round: the view it saw, its decision, or why it failed open."""
+
+    view: DirectoryView | None
+    decision: Decision | None
+    looked_up: float  # perf_counter when the lookup answered
+    failed: RouteResult | None
+
+    def chosen_load(self, decision: Decision) -> NodeLoad:
+        """The chosen node's load as the lookup saw it (what compare-and-reserve compares)."""
+        assert self.view is not None and decision.node is not None
+        for nv in self.view.nodes:
+            if nv.node.node_id == decision.node.node_id:
+                return nv.load
+        return NodeLoad()
+
+
+def _estimated_ttft_s(decision: Decision) -> float:
+    """The policy's own estimate for the chosen node (queue + transfer + prefill)."""
+    assert decision.node is not None
+    own = [c.total_s for c in decision.candidates if c.node_id == decision.node.node_id]
+    return max(min(own, default=0.0), MIN_HOLD_S)
 
 
 def _log_decision(result: RouteResult) -> None:

@@ -67,6 +67,11 @@ DIRECTORY_LOOKUP_SECONDS = Histogram(
 DIRECTORY_ERRORS = Counter(
     "kvgate_directory_errors", "Directory calls that failed or timed out, by operation", ["op"], registry=REGISTRY
 )
+RESERVATION_CONFLICTS = Counter(
+    "kvgate_reservation_conflicts",
+    "Decisions taken again because another replica loaded the chosen node between lookup and reserve",
+    registry=REGISTRY,
+)
 INFLIGHT = Gauge("kvgate_inflight_requests", "Requests routed by this replica and not yet finished", registry=REGISTRY)
 EXT_PROC_STREAMS = Counter(
     "kvgate_ext_proc_streams", "ext_proc streams by how they ended (ok, error, cancelled)", ["end"], registry=REGISTRY

@@ -133,7 +133,9 @@ def live_inflight(gw: Gateway) -> list[int]:
 
 def test_explain_says_what_would_happen_and_routes_nothing(gw: Gateway) -> None:
     body = chat("explained")
-    eventually(lambda: live_inflight(gw) == [0, 0], timeout_s=10)  # earlier requests' holds have ended
+    time.sleep(1.2)  # past the fleet snapshot's max age, so the wait below reads the directory
+    # earlier requests' ext_authz holds (their estimated service time, seconds each) have ended
+    eventually(lambda: live_inflight(gw) == [0, 0], timeout_s=20)
     recorded = get_json_auth(gw.url("/debug/decisions"))[1]["recorded"]
     total = sum(gw.metric("kvgate_decisions_total", f'{{outcome="{o}",policy="kvgate"}}') for o in ("owner", "recompute"))
     status, got = post_json(gw.url("/debug/explain"), body, headers=AUTH)

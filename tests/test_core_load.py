@@ -1,0 +1,115 @@
+"""How the routing core accounts a request's load: compare-and-reserve against the load its
+decision saw, and the prefill part settled at the estimated first token. In process, with the
+real tokenizer, policy and in-process directory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from directory_client import InProcessDirectory, NodeInfo, NodeLoad, Tier
+from gateway.core import RoutingCore, RoutingLimits
+from gateway.metrics import REGISTRY
+from gateway.policy import make_policy
+from gateway.profile import load_profile
+from tokenizer import PromptTokenizer
+from tokenizer.keys import block_keys, namespace_seed
+
+MODEL = "load-model"
+PROFILE = load_profile("llama-3.1-8b-h100")
+
+
+@pytest.fixture(scope="module")
+def tok() -> PromptTokenizer:
+    return PromptTokenizer()
+
+
+def body(text: str, max_tokens: int = 32) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": text, "max_tokens": max_tokens}).encode()
+
+
+class RacingDirectory(InProcessDirectory):
+    """A real in-process directory, plus "another replica" that takes the node a lookup shows
+    idle right after the lookup answered — the interleaving two replicas can produce."""
+
+    def __init__(self, victim: str, **kw) -> None:
+        super().__init__(**kw)
+        self.victim = victim
+        self.raced = False
+
+    async def lookup(self, keys):
+        view = await super().lookup(keys)
+        if not self.raced:
+            self.raced = True
+            await self.reserve(self.victim, 1000)
+        return view
+
+
+async def core_over(directory, tok: PromptTokenizer) -> RoutingCore:
+    for i in (1, 2):
+        await directory.register_node(NodeInfo(f"n{i}", f"127.0.0.1:{9000 + i}"))
+    return RoutingCore(tok, directory, make_policy("kvgate"), PROFILE, RoutingLimits(models=frozenset([MODEL])))
+
+
+async def test_a_node_taken_by_another_replica_after_the_lookup_is_not_herded_onto(tok) -> None:
+    text = "The quarterly report on harbour traffic. " * 200
+    prompt = tok.tokenize_body("/v1/completions", json.loads(body(text)))
+    keys = block_keys(prompt.token_ids, block_size=16, seed=namespace_seed(MODEL))
+    directory = RacingDirectory("n1", index_stride=1)
+    core = await core_over(directory, tok)
+    await directory.record_stored("n1", keys, Tier.GPU)  # n1 owns the prompt: the first choice
+    conflicts = REGISTRY.get_sample_value("kvgate_reservation_conflicts_total") or 0.0
+
+    result = await core.route("/v1/completions", body(text))
+    assert result.kind == "routed"
+    assert REGISTRY.get_sample_value("kvgate_reservation_conflicts_total") == conflicts + 1
+    # the first decision saw n1 idle and was refused; the second saw n1 busy with 1,000 queued
+    # prefill tokens and still chose it only if that is cheaper — either way exactly one of our
+    # reservations exists, and nothing was counted for the refused attempt
+    loads = await directory.loads()
+    ours = result.reservation
+    assert ours is not None
+    assert loads[ours.node_id].inflight == (2 if ours.node_id == "n1" else 1)
+    other = "n2" if ours.node_id == "n1" else "n1"
+    assert loads[other] == (NodeLoad(1, 1000) if other == "n1" else NodeLoad())
+    await core.release(result)
+    assert (await directory.loads())["n2"] == NodeLoad()
+
+
+async def test_prefill_stops_counting_at_the_first_token_but_the_request_stays_in_flight(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    result = await core.route("/v1/completions", body("Explain the tides. " * 300))
+    assert result.kind == "routed" and result.reservation is not None
+    node = result.reservation.node_id
+    prompt_tokens = result.request.prompt_tokens
+    assert (await directory.loads())[node] == NodeLoad(1, prompt_tokens)
+    assert 0 < result.ttft_s < result.service_s
+
+    await asyncio.sleep(result.ttft_s + 0.05)
+    assert (await directory.loads())[node] == NodeLoad(1, 0)  # decoding: busy, not queued
+
+    await core.release(result)
+    await core.release(result)  # a second release changes nothing
+    assert (await directory.loads())[node] == NodeLoad()
+
+
+async def test_a_response_that_ends_before_its_first_token_estimate_leaves_nothing_behind(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    result = await core.route("/v1/completions", body("Short answer please. " * 200))
+    await core.release(result)  # e.g. the client went away at once
+    await asyncio.sleep(result.ttft_s + 0.05)  # the settle timer must not resurrect the load
+    assert set((await directory.loads()).values()) == {NodeLoad()}
+
+
+async def test_service_estimate_grows_with_the_answer_budget(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    short = await core.route("/v1/completions", body("Same prompt. " * 100, max_tokens=8))
+    long = await core.route("/v1/completions", body("Same prompt. " * 100, max_tokens=800))
+    assert long.service_s - long.ttft_s > 50 * (short.service_s - short.ttft_s)
+    for r in (short, long):
+        await core.release(r)
