@@ -165,7 +165,7 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
                     "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                 },
                 "path_prefix": "/kvgate/authz",
-                "authorization_request": {"allowed_headers": exact("x-request-id", "content-type")},
+                "authorization_request": {"allowed_headers": exact("x-request-id", "content-type", "traceparent")},
                 "authorization_response": {
                     "allowed_upstream_headers": exact(*KVGATE_HEADERS),
                     "allowed_client_headers": exact("content-type"),

@@ -11,6 +11,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
+from prometheus_client import REGISTRY
 import zmq
 from prometheus_client import REGISTRY
 
@@ -247,6 +248,10 @@ async def test_bridge_mirrors_stores_and_removals(directory: Directory, node_id:
         await eventually(lambda: _eq(held(directory, node_id, keys), 4), what="2 blocks removed")
         assert await held(directory, node_id, keys[4:]) == 0
         assert bridge.stats(node_id).tracked_blocks == 4
+        # each applied batch's age is measured: three batches, each seconds-fresh at most
+        lag_count = REGISTRY.get_sample_value("kvgate_bridge_event_lag_seconds_count", {"node": node_id})
+        lag_sum = REGISTRY.get_sample_value("kvgate_bridge_event_lag_seconds_sum", {"node": node_id})
+        assert lag_count == 3 and 0 <= lag_sum < 3 * 5.0
     eng.pub.close()
     assert not await live(directory, node_id)  # aclose deregistered it
 

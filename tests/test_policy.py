@@ -137,6 +137,15 @@ def test_cpu_tier_hit_costs_its_load_time(profile):
     assert cpu.total_s > gpu.total_s
 
 
+def test_a_node_without_a_transfer_agent_is_never_told_to_pull(profile):
+    v = view(node(1, pullable=False), node(2, 512, **saturated(profile)), node(3))
+    d = make_policy("kvgate", link="rdma").decide(request(), v, profile, now=0.0)
+    n1 = next(c for c in d.candidates if c.node_id == "n1")
+    n3 = next(c for c in d.candidates if c.node_id == "n3")
+    assert not n1.via_pull and n3.via_pull
+    assert d.node.node_id == "n3" and d.outcome == "pull"
+
+
 def test_exact_ties_go_to_the_least_loaded_then_spread_by_prompt(profile):
     v = view(node(1, inflight=1), node(2), node(3))
     d = make_policy("kvgate").decide(request(), v, profile, now=0.0)

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, Tier, UnknownNode
@@ -98,6 +98,12 @@ DROPPED_BLOCKS = Counter(
 GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
 RESETS = Counter("kvgate_bridge_node_resets_total", "node cleared and rebuilt, by reason", ["node", "reason"])
 DIRECTORY_ERRORS = Counter("kvgate_bridge_directory_errors_total", "directory calls that failed", ["node"])
+EVENT_LAG = Histogram(
+    "kvgate_bridge_event_lag_seconds",
+    "engine timestamp of a batch to the bridge applying it (wall clocks: includes their skew)",
+    ["node"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
 TRACKED_BLOCKS = Gauge("kvgate_bridge_tracked_blocks", "engine blocks the bridge maps to keys", ["node"])
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
@@ -736,6 +742,7 @@ class KVEventBridge:
                 DROPPED_BLOCKS.labels(node, reason).inc(count)
                 st.dropped += count
         BATCHES.labels(node).inc()
+        EVENT_LAG.labels(node).observe(max(time.time() - batch.ts, 0.0))
         st.batches += 1
         TRACKED_BLOCKS.labels(node).set(len(st.blocks))
         if st.blocks.pending or st.blocks.cleared:

@@ -148,8 +148,9 @@ class TtftEstimator:
     ) -> list[CandidateCost]:
         """Each node's cheaper option: serve from its own cache, or pull ``source``'s prefix first.
 
-        A node pulls only if ``source`` holds at least ``min_pull_blocks`` more blocks and the
-        pull beats its own recompute by more than ``pull_margin_s``. With ``source=None`` every
+        A node pulls only if it runs a transfer agent itself (a node without one cannot receive
+        blocks), ``source`` holds at least ``min_pull_blocks`` more blocks, and the pull beats its
+        own recompute by more than ``pull_margin_s``. With ``source=None`` every
         node is priced serving locally. This loop is the hot path of a decision (one call per
         request over every live node), hence the local names.
         """
@@ -173,7 +174,7 @@ class TtftEstimator:
             transfer = stage_s(own, tier)
             prefill = prefill_s(own)
             via_pull = False
-            if src_blocks - blocks >= min_pull_blocks:
+            if src_blocks - blocks >= min_pull_blocks and nv.node.transfer_endpoint:
                 pull_transfer = pull_memo.get((own, tier))
                 if pull_transfer is None:
                     pull_transfer = pull_memo[(own, tier)] = self.pull_transfer_s(own, tier, src_tokens, src_tier)
