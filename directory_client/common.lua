@@ -61,11 +61,12 @@ local function current_load(load, resv, now)
   return r, t
 end
 
--- one live node's answer, or nil when it is dead or unknown: {info, held, worst_tier, inflight, prefill}
+-- one live node's answer, or nil when it is dead or unknown:
+-- {info, held, worst_tier, inflight, prefill, indexed blocks in all (HLEN: O(1))}
 local function node_view(meta, blocks, load, resv, keys, n, now)
   local m = redis.call('HMGET', meta, 'info', 'until')
   if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
   local r, t = current_load(load, resv, now)
   local held, worst = held_prefix(blocks, keys, n)
-  return {m[1], held, worst, r, t}
+  return {m[1], held, worst, r, t, redis.call('HLEN', blocks)}
 end

@@ -217,6 +217,7 @@ class InProcessDirectory:
                     KeySampler.blocks_for(held, positions),
                     TIERS[worst],
                     _IDLE if load is None else load.view(),
+                    len(blocks) * self.sampler.stride,
                 )
             )
         return DirectoryView(tuple(views))

@@ -311,13 +311,15 @@ class RedisDirectoryBase(ABC):
         blocks_for = KeySampler.blocks_for
         node = self._node
         views = []
-        for _, (info, held, worst, inflight, prefill) in rows:
+        stride = self.sampler.stride
+        for _, (info, held, worst, inflight, prefill, indexed) in rows:
             views.append(
                 NodeView(
                     node(info),
                     blocks_for(held, positions),
                     TIERS[worst],
                     NodeLoad(inflight, prefill) if inflight else _IDLE,
+                    indexed * stride,
                 )
             )
         return DirectoryView(tuple(views))

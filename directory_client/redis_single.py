@@ -54,4 +54,4 @@ class RedisDirectory(RedisDirectoryBase):
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
         async with self._io("lookup"):
             flat = await self._eval("lookup_all", (self._registry,), (self.key_prefix, blob))
-        return [(flat[i].decode(), flat[i + 1 : i + 6]) for i in range(0, len(flat), 6)]
+        return [(flat[i].decode(), flat[i + 1 : i + 7]) for i in range(0, len(flat), 7)]

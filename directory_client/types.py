@@ -76,6 +76,7 @@ class NodeView:
     cached_blocks: int  # length of the longest prefix of the asked keys held (in engine blocks)
     tier: Tier  # slowest tier within that prefix (GPU when cached_blocks == 0)
     load: NodeLoad
+    total_blocks: int = 0  # every block the node holds, any prompt (estimated: indexed keys × stride)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from directory_client import (
     open_directory,
 )
 from directory_client.sampling import KeySampler
+from tokenizer.keys import BlockKey
 from tests.redis_servers import purge_prefix, redis_cluster_url  # noqa: F401  (fixture)
 from tokenizer.keys import block_keys, namespace_seed
 
@@ -296,6 +297,16 @@ async def test_concurrent_reserves_from_two_clients_add_up(backend: Backend) -> 
     await asyncio.gather(*(one.release(r) for r in reservations[:half]))
     await asyncio.gather(*(two.release(r) for r in reservations))  # overlaps: idempotent
     assert await one.loads() == {"a": NodeLoad(), "b": NodeLoad()}
+
+
+async def test_lookup_reports_how_many_blocks_each_node_holds_in_all(backend: Backend) -> None:
+    d = backend.make()
+    await d.register_node(node("a"))
+    await d.register_node(node("b", 8001))
+    await d.record_stored("a", [BlockKey(k) for k in range(1, 41)], Tier.GPU)
+    await d.record_stored("b", [BlockKey(k) for k in range(100, 105)], Tier.GPU)
+    view = await d.lookup([BlockKey(999)])  # a prompt neither holds: totals are still reported
+    assert {n.node.node_id: (n.cached_blocks, n.total_blocks) for n in view.nodes} == {"a": (0, 40), "b": (0, 5)}
 
 
 async def test_compare_and_reserve_lets_only_one_of_two_racing_clients_take_an_idle_node(

@@ -154,6 +154,14 @@ def test_exact_ties_go_to_the_least_loaded_then_spread_by_prompt(profile):
 
 
 @pytest.mark.parametrize("policy", ["kvgate", "kvgate_nopull", "prefix_only", "least_request"])
+def test_a_new_conversation_goes_to_the_idle_node_holding_the_least(profile, policy):
+    nodes = [replace(node(i), total_blocks=blocks) for i, blocks in ((1, 900), (2, 40), (3, 500))]
+    for a in range(20):
+        d = make_policy(policy).decide(replace(request(), affinity=a), view(*nodes), profile, now=0.0)
+        assert d.node.node_id == "n2"
+
+
+@pytest.mark.parametrize("policy", ["kvgate", "kvgate_nopull", "prefix_only", "least_request"])
 def test_ties_between_idle_nodes_spread_over_prompts_and_stick_per_prompt(profile, policy):
     """New conversations must not all land on the first idle node (the imbalance a node_id
     tie-break caused), and one prompt must keep landing on the same node."""

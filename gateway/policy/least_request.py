@@ -27,7 +27,7 @@ class LeastRequestPolicy:
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
-        def rank(nv: NodeView) -> tuple[int, int, int, str]:
+        def rank(nv: NodeView) -> tuple[int, int, int, int, str]:
             return load_rank(nv, request.affinity)
 
         i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))

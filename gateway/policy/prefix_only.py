@@ -15,7 +15,7 @@ from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
 
 
-def _prefix_rank(nv: NodeView, affinity: int) -> tuple[int, int, int, int, str]:
+def _prefix_rank(nv: NodeView, affinity: int) -> tuple[int, int, int, int, int, str]:
     return (-nv.cached_blocks, *load_rank(nv, affinity))
 
 
@@ -32,7 +32,7 @@ class PrefixOnlyPolicy:
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
-        def rank(nv: NodeView) -> tuple[int, int, int, int, str]:
+        def rank(nv: NodeView) -> tuple[int, int, int, int, int, str]:
             return _prefix_rank(nv, request.affinity)
 
         i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))

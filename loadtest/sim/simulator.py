@@ -255,7 +255,8 @@ class Simulator:
         hashes = sim.hashes[:prompt_blocks]
         idle = NodeLoad()
         return DirectoryView(tuple(
-            NodeView(n.info, n.cache.match(hashes), Tier.GPU, loads.get(n.node_id, idle)) for n in self.nodes
+            NodeView(n.info, n.cache.match(hashes), Tier.GPU, loads.get(n.node_id, idle), len(n.cache))
+            for n in self.nodes
         ))
 
     # -- the node side -----------------------------------------------------------------------
