@@ -2,7 +2,7 @@
 and a 3-primary Redis Cluster. All bound to 127.0.0.1 on free ports, in a temp dir, and killed
 at the end — the machine's shared Redis at :6379 is never stopped or reconfigured.
 
-Import the fixtures into a test module: ``from tests.redis_servers import redis_cluster_url``.
+Its fixtures (``private_redis``, ``redis_cluster_url``) are registered for every test by ``tests/conftest.py``.
 """
 
 from __future__ import annotations

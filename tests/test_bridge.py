@@ -11,7 +11,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
-from prometheus_client import REGISTRY
 import zmq
 from prometheus_client import REGISTRY
 

@@ -32,7 +32,7 @@ import aiohttp
 import pytest
 
 from gateway.envoy_config import EnvoySettings
-from tests.conftest import REPO, free_port
+from tests.conftest import free_port
 from tests.support.http import eventually, get_json, post_json, request
 from tests.support.procs import Proc, start_envoy, start_kvgate
 

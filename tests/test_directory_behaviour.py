@@ -23,7 +23,7 @@ from directory_client import (
 )
 from directory_client.sampling import KeySampler
 from tokenizer.keys import BlockKey
-from tests.redis_servers import purge_prefix, redis_cluster_url  # noqa: F401  (fixture)
+from tests.redis_servers import purge_prefix
 from tokenizer.keys import block_keys, namespace_seed
 
 SEED = namespace_seed("test-model")

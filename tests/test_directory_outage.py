@@ -15,7 +15,7 @@ from redis.crc import key_slot
 
 from directory_client import DirectoryUnavailable, NodeInfo, NodeLoad, Reservation, Tier, open_directory
 from tests.conftest import free_port
-from tests.redis_servers import RedisProcess, private_redis, redis_cluster  # noqa: F401  (fixture)
+from tests.redis_servers import RedisProcess, redis_cluster
 
 OP_TIMEOUT_S = 0.3
 # "never hangs": generous against a loaded 2-core machine, far below a hang

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from directory_client import InProcessDirectory, NodeInfo, Tier, open_directory
-from tests.redis_servers import purge_prefix, redis_cluster_url  # noqa: F401  (fixture)
+from tests.redis_servers import purge_prefix
 from tokenizer.keys import block_keys, namespace_seed
 
 SEED = namespace_seed("stateful")

@@ -7,9 +7,9 @@ import uuid
 
 import pytest
 
-from tests.redis_servers import RedisProcess, private_redis  # noqa: F401 — fixture
+from tests.redis_servers import RedisProcess
 from tests.support.http import eventually, get_json, post_json, request
-from tests.support.stack import MODEL, Stack, chat, document, keys_of
+from tests.support.stack import Stack, chat, document, keys_of
 from tokenizer import PromptTokenizer
 
 

@@ -204,6 +204,24 @@ class TierChange:
     removed: tuple[Tier, ...]
 
 
+@dataclass(slots=True)
+class DirectoryWrites:
+    """One flush of a node's changes, grouped into as few directory calls as possible."""
+
+    cleared: bool
+    removed: dict[Tier, list[BlockKey]] = field(default_factory=dict)
+    stored: dict[Tier, list[BlockKey]] = field(default_factory=dict)
+
+    async def apply(self, directory: Directory, node_id: str) -> None:
+        """Clear first, then removals, then stores: the order that keeps the node's entries true."""
+        if self.cleared:
+            await directory.clear_node(node_id)
+        for tier, keys in self.removed.items():
+            await directory.record_removed(node_id, keys, tier)
+        for tier, keys in self.stored.items():
+            await directory.record_stored(node_id, keys, tier)
+
+
 class NodeBlockMap:
     """Engine hash → kvgate key for one node, and the directory changes events imply.
 
@@ -264,6 +282,19 @@ class NodeBlockMap:
         self._touched = {}
         self.cleared = False
         return cleared, out
+
+    def take_writes(self) -> DirectoryWrites | None:
+        """The directory calls that bring the node up to date since the previous call (None: none)."""
+        cleared, changes = self.take_changes()
+        if not cleared and not changes:
+            return None
+        writes = DirectoryWrites(cleared)
+        for change in changes:
+            for tier in change.removed:
+                writes.removed.setdefault(tier, []).append(change.key)
+            for tier in change.stored:
+                writes.stored.setdefault(tier, []).append(change.key)
+        return writes
 
     def snapshot(self) -> dict[Tier, list[BlockKey]]:
         """Every key held, per tier (for rewriting the node from scratch)."""
@@ -794,23 +825,11 @@ class KVEventBridge:
             st.rewrite_all = False
             log.info("node %s: directory entries rewritten (%d keys)", node, st.blocks.key_count)
             return
-        cleared, changes = st.blocks.take_changes()
-        if not cleared and not changes:
+        writes = st.blocks.take_writes()
+        if writes is None:
             return
-        removed: dict[Tier, list[BlockKey]] = {}
-        stored: dict[Tier, list[BlockKey]] = {}
-        for change in changes:
-            for tier in change.removed:
-                removed.setdefault(tier, []).append(change.key)
-            for tier in change.stored:
-                stored.setdefault(tier, []).append(change.key)
         try:
-            if cleared:
-                await self._directory.clear_node(node)
-            for tier, keys in removed.items():
-                await self._directory.record_removed(node, keys, tier)
-            for tier, keys in stored.items():
-                await self._directory.record_stored(node, keys, tier)
+            await writes.apply(self._directory, node)
         except BaseException:
             st.rewrite_all = True  # part of this batch may be lost: rewrite the node when back
             raise

@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from directory_client.memory import InProcessDirectory
-from directory_client.types import Tier
 from loadtest.sim.sync import run_now
-from tokenizer.keys import BlockKey
 from workers.bridge import NodeBlockMap
 from workers.engine.events import to_wire
 from workers.engine.kv_cache import CacheEvent
@@ -36,20 +34,6 @@ class DirectoryFeed:
             return
         for ev in to_wire(records):
             self.blocks.apply(ev)
-        cleared, changes = self.blocks.take_changes()
-        if not cleared and not changes:
-            return
-        removed: dict[Tier, list[BlockKey]] = {}
-        stored: dict[Tier, list[BlockKey]] = {}
-        for change in changes:
-            for tier in change.removed:
-                removed.setdefault(tier, []).append(change.key)
-            for tier in change.stored:
-                stored.setdefault(tier, []).append(change.key)
-        d, node = self.directory, self.node_id
-        if cleared:
-            run_now(d.clear_node(node))
-        for tier, keys in removed.items():
-            run_now(d.record_removed(node, keys, tier))
-        for tier, keys in stored.items():
-            run_now(d.record_stored(node, keys, tier))
+        writes = self.blocks.take_writes()
+        if writes is not None:
+            run_now(writes.apply(self.directory, self.node_id))
