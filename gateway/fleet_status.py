@@ -1,13 +1,11 @@
 """The fleet as an operator sees it: every node, live or not, with its load and cached blocks.
 
 Built on demand (``/debug/nodes``, the dashboard, a ``/metrics`` scrape) and shared for
-``max_age_s``, so any number of viewers cost the directory at most two calls (``live_nodes``,
-``loads``) a second; concurrent callers wait for the same refresh. Nothing runs between reads.
-
-Where "cached blocks" comes from, in order: the directory itself, if its backend can count a
-node's blocks cheaply (an optional ``block_counts()`` method, see ``BlockCounting``); otherwise the
-KV-event bridges running in this process (each knows how many keys it mirrors for its engines).
-A node neither knows about shows ``None``: unknown, not zero.
+``max_age_s``, so any number of viewers cost the directory at most one call a second: a lookup of
+no keys, which answers every live node with its load and the blocks it holds (estimated from the
+directory's index: indexed keys × stride); concurrent callers wait for the same refresh. Nothing
+runs between reads. The KV-event bridges running in this process add their own view of each
+engine they follow.
 """
 
 from __future__ import annotations
@@ -16,16 +14,9 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
-from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeLoad
-
-
-@runtime_checkable
-class BlockCounting(Protocol):
-    """A directory backend that can say how many blocks it holds per live node in one call."""
-
-    async def block_counts(self) -> dict[str, int]: ...
+from directory_client.types import Directory, DirectoryUnavailable, NodeView
 
 
 class BridgeStats(Protocol):
@@ -55,7 +46,7 @@ class NodeStatus:
 class FleetSnapshot:
     taken_at: float  # wall clock, seconds
     nodes: tuple[NodeStatus, ...]
-    cached_blocks_source: str  # "directory", "bridge" or "none"
+    cached_blocks_source: str  # "directory" (indexed keys × stride) or "none" (directory unavailable)
     error: str = ""  # the directory could not be read; nodes are then those configured, not live
 
     def as_dict(self) -> dict[str, Any]:
@@ -117,22 +108,19 @@ class FleetMonitor:
         taken = time.time()
         try:
             async with asyncio.timeout(self._timeout_s):
-                live = await self._directory.live_nodes()
-                loads = await self._directory.loads()
-                counts = await self._directory.block_counts() if isinstance(self._directory, BlockCounting) else None
+                view = await self._directory.lookup([])
         except (DirectoryUnavailable, TimeoutError) as e:
             nodes = tuple(NodeStatus(node_id=i, address=a, live=False) for i, a in self._configured)
             return FleetSnapshot(taken, nodes, "none", error=f"directory unavailable: {type(e).__name__}")
         bridged = self._bridge_stats()
-        source = "directory" if counts is not None else ("bridge" if bridged else "none")
         by_id: dict[str, NodeStatus] = {}
-        for info in live:
-            by_id[info.node_id] = self._status(info, loads.get(info.node_id, NodeLoad()), counts, bridged)
+        for nv in view.nodes:
+            by_id[nv.node.node_id] = self._status(nv, bridged)
         for node_id, address in self._configured:
             if node_id not in by_id:
                 stats = bridged.get(node_id)
                 by_id[node_id] = NodeStatus(node_id=node_id, address=address, live=False, bridge=_bridge_view(stats))
-        return FleetSnapshot(taken, tuple(by_id[k] for k in sorted(by_id)), source)
+        return FleetSnapshot(taken, tuple(by_id[k] for k in sorted(by_id)), "directory")
 
     def _bridge_stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -142,16 +130,9 @@ class FleetMonitor:
         return out
 
     @staticmethod
-    def _status(
-        info: NodeInfo, load: NodeLoad, counts: dict[str, int] | None, bridged: dict[str, Any]
-    ) -> NodeStatus:
+    def _status(nv: NodeView, bridged: dict[str, Any]) -> NodeStatus:
+        info, load, cached = nv.node, nv.load, nv.total_blocks
         stats = bridged.get(info.node_id)
-        if counts is not None:
-            cached: int | None = counts.get(info.node_id, 0)
-        elif stats is not None:
-            cached = stats.tracked_keys
-        else:
-            cached = None
         return NodeStatus(
             node_id=info.node_id,
             address=info.address,

@@ -249,7 +249,7 @@ async def test_the_dashboard_shows_the_fleet_and_follows_traffic(fleet: Fleet, b
         rows = await page.js(FLEET_ROWS)
         assert rows == {"e1": {"live": "true", "cached": "0"}, "e2": {"live": "true", "cached": "0"}}
         assert await page.js("document.querySelectorAll('#decisions tbody tr').length") == 0
-        assert await page.js("document.getElementById('fleet-source').textContent") == "cached blocks from: bridge"
+        assert await page.js("document.getElementById('fleet-source').textContent") == "cached blocks from: directory"
         assert "token" not in await page.js("location.href")  # dropped from the address bar once read
 
         # traffic through Envoy: one conversation over three turns, then an unrelated prompt

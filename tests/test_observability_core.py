@@ -261,7 +261,9 @@ async def test_fleet_snapshot_shows_load_down_nodes_and_is_shared(directory) -> 
     assert nodes["a"].live and nodes["a"].inflight == 1 and nodes["a"].prefill_tokens == 300
     assert nodes["b"].live and nodes["b"].inflight == 0
     assert not nodes["c"].live  # configured but never registered
-    assert nodes["a"].cached_blocks is None and snap.cached_blocks_source == "none"  # unknown, not 0
+    # the directory counts every block a node holds, whatever the prompt
+    assert snap.cached_blocks_source == "directory"
+    assert nodes["a"].cached_blocks == (await directory.lookup([])).nodes[0].total_blocks
     await directory.reserve("b", 10)
     assert await monitor.snapshot() is snap  # within max_age: shared, the directory is not asked
     both = await asyncio.gather(*(FleetMonitor(directory, max_age_s=0).snapshot() for _ in range(3)))
