@@ -30,12 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-from opentelemetry.proto.common.v1 import common_pb2
-from opentelemetry.proto.resource.v1 import resource_pb2
-from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import Counter
 
+from gateway import otlp_schema as pb
 from gateway.metrics import REGISTRY
 
 log = logging.getLogger("kvgate.otlp")
@@ -121,8 +118,8 @@ class OtlpSettings:
         )
 
 
-def resource_proto(attributes: Mapping[str, object]) -> resource_pb2.Resource:
-    return resource_pb2.Resource(attributes=[key_value(k, v) for k, v in attributes.items()])
+def resource_proto(attributes: Mapping[str, object]) -> pb.Resource:
+    return pb.Resource(attributes=[key_value(k, v) for k, v in attributes.items()])
 
 
 def add_attributes(target: Any, attributes: Mapping[str, object]) -> None:
@@ -144,35 +141,35 @@ def add_attributes(target: Any, attributes: Mapping[str, object]) -> None:
             kv.value.CopyFrom(key_value(key, value).value)
 
 
-def key_value(key: str, value: object) -> common_pb2.KeyValue:
+def key_value(key: str, value: object) -> pb.KeyValue:
     """One OTLP attribute (bool before int: ``True`` is an ``int`` in Python)."""
     if isinstance(value, bool):
-        any_value = common_pb2.AnyValue(bool_value=value)
+        any_value = pb.AnyValue(bool_value=value)
     elif isinstance(value, int):
-        any_value = common_pb2.AnyValue(int_value=value)
+        any_value = pb.AnyValue(int_value=value)
     elif isinstance(value, float):
-        any_value = common_pb2.AnyValue(double_value=value)
+        any_value = pb.AnyValue(double_value=value)
     elif isinstance(value, (list, tuple)):
-        any_value = common_pb2.AnyValue(array_value=common_pb2.ArrayValue(values=[key_value("", v).value for v in value]))
+        any_value = pb.AnyValue(array_value=pb.ArrayValue(values=[key_value("", v).value for v in value]))
     else:
-        any_value = common_pb2.AnyValue(string_value=str(value))
-    return common_pb2.KeyValue(key=key, value=any_value)
+        any_value = pb.AnyValue(string_value=str(value))
+    return pb.KeyValue(key=key, value=any_value)
 
 
 class OtlpHttpSender:
     """Queues finished spans and posts them in batches from a task on the running loop."""
 
-    def __init__(self, settings: OtlpSettings, resource: resource_pb2.Resource, scope_name: str = "kvgate") -> None:
+    def __init__(self, settings: OtlpSettings, resource: pb.Resource, scope_name: str = "kvgate") -> None:
         self.settings = settings
         self._resource = resource
-        self._scope = common_pb2.InstrumentationScope(name=scope_name)
-        self._queue: deque[trace_pb2.Span] = deque()
+        self._scope = pb.InstrumentationScope(name=scope_name)
+        self._queue: deque[pb.Span] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._last_warning = float("-inf")
 
-    def submit(self, spans: Sequence[trace_pb2.Span]) -> None:
+    def submit(self, spans: Sequence[pb.Span]) -> None:
         """Queue spans for export; never blocks (drops, counted, when the queue is full)."""
         room = self.settings.max_queue - len(self._queue)
         if room < len(spans):
@@ -208,12 +205,12 @@ class OtlpHttpSender:
             n = min(len(self._queue), self.settings.max_batch)
             await self._post([self._queue.popleft() for _ in range(n)])
 
-    async def _post(self, spans: list[trace_pb2.Span]) -> None:
+    async def _post(self, spans: list[pb.Span]) -> None:
         assert self._session is not None
-        request = ExportTraceServiceRequest(
+        request = pb.ExportTraceServiceRequest(
             resource_spans=[
-                trace_pb2.ResourceSpans(
-                    resource=self._resource, scope_spans=[trace_pb2.ScopeSpans(scope=self._scope, spans=spans)]
+                pb.ResourceSpans(
+                    resource=self._resource, scope_spans=[pb.ScopeSpans(scope=self._scope, spans=spans)]
                 )
             ]
         )

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry import trace
-from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
@@ -32,6 +31,7 @@ from opentelemetry.sdk.trace.sampling import Sampler
 from opentelemetry.trace import SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from gateway import otlp_schema as pb
 from gateway.core import RouteResult
 from gateway.otlp import OtlpConfigError, OtlpHttpSender, OtlpSettings, add_attributes, resource_proto
 
@@ -39,9 +39,9 @@ STAGE_ORDER = ("parse", "tokenize", "lookup", "score", "reserve")
 """Stages in the order they run; each becomes a child span laid end to end after the previous."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
-_SERVER = trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
-_INTERNAL = trace_pb2.Span.SpanKind.SPAN_KIND_INTERNAL
-_ERROR = trace_pb2.Status.StatusCode.STATUS_CODE_ERROR
+_SERVER = pb.Span.SpanKind.SPAN_KIND_SERVER
+_INTERNAL = pb.Span.SpanKind.SPAN_KIND_INTERNAL
+_ERROR = pb.Status.StatusCode.STATUS_CODE_ERROR
 
 
 class TracingSetupError(RuntimeError):
@@ -95,7 +95,7 @@ class DecisionTracer:
 
     def __init__(
         self,
-        submit: Callable[[Sequence[trace_pb2.Span]], None],
+        submit: Callable[[Sequence[pb.Span]], None],
         *,
         sampler: Sampler,
         ids: IdGenerator | None = None,
@@ -117,7 +117,7 @@ class DecisionTracer:
             return
         tid = trace_id.to_bytes(16, "big")
         root_id = self._ids.generate_span_id().to_bytes(8, "big")
-        spans: list[trace_pb2.Span] = []
+        spans: list[pb.Span] = []
         t = start_ns
         for stage in STAGE_ORDER:
             seconds = result.timings.get(stage)
@@ -125,7 +125,7 @@ class DecisionTracer:
                 continue
             end = t + int(seconds * 1e9)
             spans.append(
-                trace_pb2.Span(
+                pb.Span(
                     trace_id=tid, span_id=self._ids.generate_span_id().to_bytes(8, "big"), parent_span_id=root_id,
                     name=f"kvgate.{stage}", kind=_INTERNAL, start_time_unix_nano=t, end_time_unix_nano=end,
                 )  # fmt: skip
@@ -133,7 +133,7 @@ class DecisionTracer:
             t = end
         if not spans:  # rejected before any stage was timed, or an internal error
             t = time.time_ns()
-        root = trace_pb2.Span(
+        root = pb.Span(
             trace_id=tid,
             span_id=root_id,
             parent_span_id=parent.span_id.to_bytes(8, "big") if parent is not None else b"",
@@ -194,7 +194,7 @@ class Tracing:
             await self.sender.aclose()
 
 
-def _discard(_: Sequence[trace_pb2.Span]) -> None:
+def _discard(_: Sequence[pb.Span]) -> None:
     """``OTEL_TRACES_EXPORTER=none``: spans are built and sampled, then dropped."""
 
 

@@ -14,7 +14,6 @@ import pytest
 pytest_plugins = ["tests.redis_servers"]  # private redis-server and Redis Cluster fixtures
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = REPO.parent / "shared"
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
 
 

@@ -13,11 +13,11 @@ import subprocess
 import sys
 
 import pytest
-from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace.sampling import DEFAULT_ON
 
 from directory_client import InProcessDirectory, open_directory
 from directory_client.types import NodeInfo, NodeLoad, Tier
+from gateway import otlp_schema as otlp
 from gateway import metrics
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_log import DecisionLog
@@ -59,7 +59,7 @@ async def directory() -> InProcessDirectory:
 
 
 @pytest.fixture
-def spans() -> list[trace_pb2.Span]:
+def spans() -> list[otlp.Span]:
     """What the tracer hands to the OTLP sender."""
     return []
 
@@ -68,7 +68,7 @@ def tracer_into(spans: list) -> DecisionTracer:
     return DecisionTracer(spans.extend, sampler=DEFAULT_ON)  # OTel's default: parent-based, else always on
 
 
-def attrs(span: trace_pb2.Span) -> dict:
+def attrs(span: otlp.Span) -> dict:
     return {kv.key: getattr(kv.value, kv.value.WhichOneof("value")) for kv in span.attributes}
 
 
@@ -168,7 +168,7 @@ async def test_a_decision_is_one_span_with_a_child_per_stage(core, directory, to
     assert spans == []  # not on the request's latency path...
     await asyncio.sleep(0)
     (root,) = [s for s in spans if s.name == "kvgate.route"]  # ...but right after it
-    assert root.parent_span_id == b"" and root.kind == trace_pb2.Span.SpanKind.SPAN_KIND_SERVER
+    assert root.parent_span_id == b"" and root.kind == otlp.Span.SpanKind.SPAN_KIND_SERVER
     children = sorted((s for s in spans if s.parent_span_id), key=lambda s: s.start_time_unix_nano)
     assert [c.name for c in children] == ["kvgate.parse", "kvgate.tokenize", "kvgate.lookup", "kvgate.score", "kvgate.reserve"]
     assert len({s.span_id for s in spans}) == 6 and all(len(s.span_id) == 8 for s in spans)
@@ -184,7 +184,7 @@ async def test_a_decision_is_one_span_with_a_child_per_stage(core, directory, to
     assert a["kvgate.prompt_tokens"] == result.request.prompt_tokens
     assert a["kvgate.best_cached_tokens"] == blocks * 16 and a["kvgate.best_cached_node"] == "b"
     assert a["kvgate.chosen_node"] == "b" and a["kvgate.outcome"] == "owner" and a["kvgate.policy"] == "kvgate"
-    assert root.status.code == trace_pb2.Status.StatusCode.STATUS_CODE_UNSET
+    assert root.status.code == otlp.Status.StatusCode.STATUS_CODE_UNSET
     await core.release(result)
 
 
@@ -225,7 +225,7 @@ async def test_a_directory_outage_fails_open_and_says_so_everywhere(tok, spans) 
     assert entry["model"] == MODEL and "lookup" in entry["timings_ms"] and "score" not in entry["timings_ms"]
     assert log.timeline()[-1]["fail_open"] == 1
     (root,) = [s for s in spans if s.name == "kvgate.route"]
-    assert root.status.code == trace_pb2.Status.StatusCode.STATUS_CODE_ERROR
+    assert root.status.code == otlp.Status.StatusCode.STATUS_CODE_ERROR
     assert root.status.message == "directory_unavailable" and attrs(root)["kvgate.outcome"] == "fail_open"
     assert [s.name for s in spans if s.parent_span_id] == ["kvgate.parse", "kvgate.tokenize", "kvgate.lookup"]
 

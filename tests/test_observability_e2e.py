@@ -16,10 +16,7 @@ import uuid
 
 import pytest
 from aiohttp import web
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-    ExportTraceServiceResponse,
-)
+from gateway.otlp_schema import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 from tests.conftest import free_port
 from tests.support.http import eventually, post_json, request
