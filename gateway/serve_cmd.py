@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -111,9 +111,9 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
 
 async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
     tokenizer = PromptTokenizer(

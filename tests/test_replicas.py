@@ -52,7 +52,7 @@ def nodes(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("replica-nodes")
     ports = [free_port() for _ in range(NODES)]
     procs = [
-        python_module(f"node{i}", "tests.chaos.counting_upstream", ["--port", str(p), "--name", f"n{i}", "--delay", "0.3"], tmp)
+        python_module(f"node{i}", "tests.support.echo_upstream", ["--port", str(p), "--name", f"n{i}", "--delay", "0.3"], tmp)
         for i, p in enumerate(ports)
     ]
     for p, proc in zip(ports, procs):

@@ -1,7 +1,9 @@
 """A minimal HTTP upstream for request-path tests: says which node answered and what it saw.
 
-Run as ``python -m tests.support.echo_upstream --port P --name B``. It is a real server on a real
-socket; it does no inference (the simulated engine is tested elsewhere), so routing tests stay fast.
+Run as ``python -m tests.support.echo_upstream --port P --name B [--delay S]``. It is a real server
+on a real socket; it does no inference (the simulated engine is tested elsewhere), so routing
+tests stay fast. ``--delay`` holds each request, standing in for a node whose queue matters:
+``GET /_stats`` then also says how many it held at once (``peak``); ``POST /_reset`` zeroes counts.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from aiohttp import web
 
 def build_app(name: str, delay_s: float) -> web.Application:
     seen: list[dict] = []
+    held = {"now": 0, "peak": 0}
 
     async def handle(request: web.Request) -> web.Response:
         body = await request.read()
@@ -25,19 +28,30 @@ def build_app(name: str, delay_s: float) -> web.Application:
             "body_len": len(body),
         }
         seen.append(entry)
-        if delay_s:
-            await asyncio.sleep(delay_s)
+        held["now"] += 1
+        held["peak"] = max(held["peak"], held["now"])
+        try:
+            if delay_s:
+                await asyncio.sleep(delay_s)
+        finally:
+            held["now"] -= 1
         return web.json_response(entry)
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"node": name})
 
     async def stats(_: web.Request) -> web.Response:
-        return web.json_response({"node": name, "requests": len(seen), "seen": seen[-50:]})
+        return web.json_response({"node": name, "requests": len(seen), "peak": held["peak"], "seen": seen[-50:]})
+
+    async def reset(_: web.Request) -> web.Response:
+        seen.clear()
+        held["peak"] = 0
+        return web.json_response({"node": name})
 
     app = web.Application(client_max_size=64 << 20)
     app.router.add_get("/health", health)
     app.router.add_get("/_stats", stats)
+    app.router.add_post("/_reset", reset)
     app.router.add_route("*", "/{tail:.*}", handle)
     return app
 
