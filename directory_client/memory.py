@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from directory_client.sampling import KeySampler, check_keys
 from directory_client.types import (
@@ -251,6 +252,16 @@ class InProcessDirectory:
         if entry is not None:
             load.inflight -= 1
             load.prefill -= entry[1]
+
+    async def settle(self, reservation: Reservation) -> Reservation:
+        check_reservation(reservation)
+        load = self._loads.get(reservation.node_id)
+        entry = None if load is None else load.reservations.get(reservation.token)
+        if load is not None and entry is not None:
+            deadline, prefill = entry
+            load.reservations[reservation.token] = (deadline, 0)
+            load.prefill -= prefill
+        return replace(reservation, prefill_tokens=0)
 
     async def loads(self) -> dict[str, NodeLoad]:
         now = self._clock()

@@ -349,6 +349,17 @@ class RedisDirectoryBase(ABC):
         async with self._io("release"):
             await self._eval("release", (nk.load, nk.resv), (reservation.token,))
 
+    async def settle(self, reservation: Reservation) -> Reservation:
+        check_reservation(reservation)
+        if not reservation.token or reservation.prefill_tokens == 0:
+            return reservation
+        # the member carries the amount ("token|prefill"): the settled one says 0
+        settled = dataclasses.replace(reservation, prefill_tokens=0, token=reservation.token.rsplit("|", 1)[0] + "|0")
+        nk = self._keys(reservation.node_id)
+        async with self._io("settle"):
+            await self._eval("settle", (nk.load, nk.resv), (reservation.token, settled.token))
+        return settled
+
     async def loads(self) -> dict[str, NodeLoad]:
         await self._check_config()
         rows = await self._fan_out(b"")

@@ -24,6 +24,7 @@ SCRIPT_NAMES = (
     "node_info",
     "reserve",
     "release",
+    "settle",
 )
 
 

@@ -241,7 +241,7 @@ class RoutingCore:
                     decided, decision = again, again.decision
                     assert decision is not None and decision.node is not None
                     reservation = await self._reserve(decided, n_tokens, conditional=False)
-            except (DirectoryUnavailable, asyncio.TimeoutError):
+            except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
             timings["reserve"] = time.perf_counter() - t4
@@ -265,8 +265,9 @@ class RoutingCore:
         lim = self.limits
         t = time.perf_counter()
         try:
-            view = await asyncio.wait_for(self.directory.lookup(keys), lim.lookup_timeout_s)
-        except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+            async with asyncio.timeout(lim.lookup_timeout_s):  # no task, unlike wait_for
+                view = await self.directory.lookup(keys)
+        except (DirectoryUnavailable, TimeoutError) as e:
             done = time.perf_counter()
             metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
             metrics.DIRECTORY_ERRORS.labels("lookup").inc()
@@ -284,14 +285,12 @@ class RoutingCore:
         decision = decided.decision
         assert decision is not None and decision.node is not None
         seen = decided.chosen_load(decision)
-        return await asyncio.wait_for(
-            self.directory.reserve(
+        async with asyncio.timeout(self.limits.lookup_timeout_s):
+            return await self.directory.reserve(
                 decision.node.node_id,
                 n_tokens - decision.expected_cached_tokens,
                 if_inflight_at_most=seen.inflight if conditional else None,
-            ),
-            self.limits.lookup_timeout_s,
-        )
+            )
 
     def _decode_s(self, req: dict, n_tokens: int, load: NodeLoad) -> float:
         """Modelled decode time of the answer: its token budget at the node's current batch size."""
@@ -318,18 +317,12 @@ class RoutingCore:
         result.settle = loop.call_later(result.ttft_s, fire)
 
     async def _settle(self, result: RouteResult) -> None:
-        prefill = result.reservation
-        if prefill is None or result.released:
+        if result.reservation is None or result.released:
             return
         try:
-            in_flight = await self.directory.reserve(prefill.node_id, 0)
-        except (DirectoryUnavailable, ReservationConflict):
-            return  # keep counting the prefill: the reservation still expires in the end
-        if result.released:  # the response ended while we were away
-            await self._give_back(in_flight)
-            return
-        result.reservation = in_flight
-        await self._give_back(prefill)
+            result.reservation = await self.directory.settle(result.reservation)
+        except DirectoryUnavailable:
+            pass  # keep counting the prefill: the reservation still expires in the end
 
     async def release(self, result: RouteResult) -> None:
         """Give back the load a routed request took; called when its response has ended."""

@@ -309,6 +309,20 @@ async def test_lookup_reports_how_many_blocks_each_node_holds_in_all(backend: Ba
     assert {n.node.node_id: (n.cached_blocks, n.total_blocks) for n in view.nodes} == {"a": (0, 40), "b": (0, 5)}
 
 
+async def test_settle_stops_counting_prefill_but_keeps_the_request_in_flight(backend: Backend) -> None:
+    one, two = backend.make(), backend.make(op_timeout_s=2.0)
+    await one.register_node(node("a"))
+    r = await one.reserve("a", 700)
+    settled = await one.settle(r)
+    assert settled.prefill_tokens == 0
+    assert await two.loads() == {"a": NodeLoad(1, 0)}  # every replica sees it at once
+    assert await one.settle(settled) == settled  # settling twice changes nothing
+    await one.release(settled)
+    assert await two.loads() == {"a": NodeLoad()}
+    late = await one.settle(r)  # the original, after its release: nothing left to settle
+    assert late.prefill_tokens == 0 and await two.loads() == {"a": NodeLoad()}
+
+
 async def test_compare_and_reserve_lets_only_one_of_two_racing_clients_take_an_idle_node(
     backend: Backend,
 ) -> None:
