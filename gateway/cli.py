@@ -12,7 +12,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     # name: (module, one-line help)
-    "serve": ("gateway.serve_cmd", "run the gateway: Envoy ext_proc service + admin API"),
+    "serve": ("gateway.serve_cmd", "run the gateway: Envoy ext_proc and/or ext_authz service + admin API"),
     "envoy-config": ("gateway.envoy_config", "render the Envoy bootstrap for a fleet"),
     "worker": ("workers.engine.cli", "run a simulated inference engine (OpenAI API, KV events)"),
     "bridge": ("workers.bridge_cmd", "forward engines' KV events into the directory"),
