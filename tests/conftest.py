@@ -7,6 +7,7 @@ import shutil
 import socket
 import sys
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,9 +31,14 @@ def port() -> int:
 
 
 @pytest.fixture
-def key_prefix() -> str:
-    """Unique Redis key prefix: tests share the machine's Redis only through this."""
-    return f"kvgate-test:{uuid.uuid4().hex[:12]}"
+def key_prefix() -> Iterator[str]:
+    """Unique Redis key prefix: tests share the machine's Redis only through this, and leave
+    nothing under it behind."""
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:12]}"
+    yield prefix
+    from tests.redis_servers import purge_prefix
+
+    purge_prefix(REDIS_URL, prefix)
 
 
 @pytest.fixture(scope="session")

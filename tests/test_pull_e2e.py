@@ -23,6 +23,7 @@ from directory_client import open_directory
 from gateway.envoy_config import EnvoySettings
 from gateway.profile import load_profile
 from tests.conftest import free_port
+from tests.redis_servers import purge_prefix
 from tests.support.http import eventually, get_json, request
 from tests.support.procs import Proc, python_module, start_envoy, start_kvgate, wait_for_port
 from tokenizer.keys import block_keys, namespace_seed
@@ -35,12 +36,19 @@ PAYLOAD = 1 << 20  # real bytes per block: big enough that a pull takes a while 
 class PullStack:
     def __init__(self, tmp, envoy_bin: str, redis_url: str) -> None:
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}"
+        self.workers: dict[str, Proc] = {}
+        try:
+            self._start(tmp, envoy_bin, redis_url)
+        except BaseException:
+            self.stop()  # a failed start leaves no process behind
+            raise
+
+    def _start(self, tmp, envoy_bin: str, redis_url: str) -> None:
         profile = load_profile("llama-3.1-8b-h100").model_dump()
         profile.update(name="pull-e2e", max_num_seqs=1, kv_capacity_blocks=1024)
         self.profile_path = tmp / "pull-e2e.yaml"
         self.profile_path.write_text(yaml.safe_dump(profile))
         self.ports = {n: {k: free_port() for k in ("http", "events", "replay", "transfer")} for n in NODES}
-        self.workers: dict[str, Proc] = {}
         for n, p in self.ports.items():
             self.workers[n] = python_module(
                 f"worker-{n}", "workers.engine",
@@ -137,8 +145,10 @@ class PullStack:
         return t, out
 
     def stop(self) -> None:
-        for p in (self.envoy, self.kvgate, *self.workers.values()):
-            p.stop()
+        for p in (getattr(self, "envoy", None), getattr(self, "kvgate", None), *self.workers.values()):
+            if p is not None:
+                p.stop()
+        purge_prefix(self.redis_url, self.key_prefix)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import redis
+
 from directory_client import open_directory
 from directory_client.types import Tier
 from gateway.envoy_config import EnvoySettings
 from tests.conftest import free_port
 from tests.support.http import eventually, get_json
-from tests.support.procs import start_echo, start_envoy, start_kvgate
+from tests.redis_servers import purge_prefix
+from tests.support.procs import Proc, start_echo, start_envoy, start_kvgate
 from tokenizer import PromptTokenizer
 from tokenizer.keys import block_keys, namespace_seed
 
@@ -39,8 +42,19 @@ class Stack:
         self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc"
     ) -> None:
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
+        self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
+        try:
+            self._start(envoy_bin, integration)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, envoy_bin: str, integration: str) -> None:
+        tmp, redis_url, key_prefix = self.tmp, self.redis_url, self.key_prefix
         self.node_ports = {n: free_port() for n in NODES}
-        self.echos = {n: start_echo(n, p, tmp) for n, p in self.node_ports.items()}
+        self.echos = {}
+        for n, p in self.node_ports.items():
+            self.echos[n] = self._started(start_echo(n, p, tmp))
         self.ext_proc_port, self.admin_port, self.listen_port = free_port(), free_port(), free_port()
         self.ext_authz_port = free_port()
         self.config = {
@@ -58,8 +72,8 @@ class Stack:
             "fleet": [{"node_id": n, "address": self.addr(n)} for n in NODES],
             "limits": {"max_body_bytes": 256 << 10},
         }
-        self.kvgate = start_kvgate(self.config, tmp)
-        self.envoy = start_envoy(
+        self.kvgate = self._started(start_kvgate(self.config, tmp))
+        self.envoy = self._started(start_envoy(
             envoy_bin,
             EnvoySettings(
                 fleet=[self.addr(n) for n in NODES],
@@ -72,7 +86,7 @@ class Stack:
                 message_timeout_ms=2000,
             ),
             tmp,
-        )
+        ))
         eventually(lambda: get_json(f"http://127.0.0.1:{self.admin_port}/readyz")[1].get("live_nodes") == 3, timeout_s=30)
 
     def addr(self, node: str) -> str:
@@ -97,8 +111,18 @@ class Stack:
     def seed(self, node: str, keys: list[int]) -> None:
         self.directory_call(lambda d: d.record_stored(node, keys, Tier.GPU))
 
+    def _started(self, proc: Proc) -> Proc:
+        self.procs.append(proc)
+        return proc
+
     def stop(self) -> None:
-        for p in (self.envoy, self.kvgate, *self.echos.values()):
+        """Stop every process (Envoy first), then remove this stack's keys from Redis."""
+        for p in reversed(self.procs):
             p.stop()
+        self.procs.clear()
+        try:
+            purge_prefix(self.redis_url, self.key_prefix)
+        except redis.RedisError:
+            pass  # a test's private Redis may be gone already: nothing left to purge
 
 
