@@ -221,7 +221,7 @@ class InProcessDirectory:
                     len(blocks) * self.sampler.stride,
                 )
             )
-        return DirectoryView(tuple(views))
+        return DirectoryView(tuple(views), KeySampler.blocks_for(len(kept), positions))
 
     # -- load ----------------------------------------------------------------------------------
 

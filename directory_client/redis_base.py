@@ -322,7 +322,7 @@ class RedisDirectoryBase(ABC):
                     indexed * stride,
                 )
             )
-        return DirectoryView(tuple(views))
+        return DirectoryView(tuple(views), blocks_for(len(kept), positions))
 
     # -- load ----------------------------------------------------------------------------------
 

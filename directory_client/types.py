@@ -84,6 +84,9 @@ class DirectoryView:
     """Answer to ``Directory.lookup``: every live node, in a stable order (by node_id)."""
 
     nodes: tuple[NodeView, ...]
+    answerable_blocks: int = -1
+    """The longest prefix of the asked keys this lookup could report (with a stride, the block
+    after the last sampled key); a node reporting it may hold more of the prompt. -1: unknown."""
 
     def best(self) -> NodeView | None:
         return max(self.nodes, key=lambda n: n.cached_blocks, default=None)

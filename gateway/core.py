@@ -44,7 +44,7 @@ from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
-from tokenizer import InvalidPrompt, PromptTokenizer, PromptTooLarge
+from tokenizer import InvalidPrompt, PromptHead, PromptTokenizer, PromptTooLarge
 from tokenizer.keys import PrefixKeyCache, namespace_seed
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
@@ -69,6 +69,7 @@ class RoutingLimits:
     models: frozenset[str] = frozenset()  # empty: accept any model name
     lookup_timeout_s: float = 0.025
     max_prompt_bytes: int = 1 << 20  # rendered prompt text beyond this is passed through untokenized
+    head_chars: int = 8192  # fresh text beyond this is first routed on its head (0: always tokenize all)
 
 
 @dataclass(slots=True)
@@ -190,6 +191,15 @@ class RoutingCore:
             return _reject(404, f"The model `{model}` does not exist.")
         t1 = time.perf_counter()
         try:
+            head = (
+                self.tokenizer.tokenize_head(path, req, fresh_chars=lim.head_chars, max_text_bytes=lim.max_prompt_bytes)
+                if lim.head_chars > 0
+                else None
+            )
+            if head is not None:
+                early = await self._route_by_head(path, req, head, request_id, reserve, t0, t1)
+                if early is not None:
+                    return early
             prompt = await self.tokenizer.tokenize_body_async(path, req, max_text_bytes=lim.max_prompt_bytes)
         except InvalidPrompt as e:
             return _reject(getattr(e, "status", 400), str(e))
@@ -216,6 +226,69 @@ class RoutingCore:
         )
         t2 = time.perf_counter()
         decided = await self._decide(request, keys)
+        return await self._answer(req, request, keys, decided, reserve, (t0, t1, t2))
+
+    async def _route_by_head(
+        self, path: str, req: dict, head: PromptHead, request_id: str, reserve: bool, t0: float, t1: float
+    ) -> RouteResult | None:
+        """Decide on a long fresh prompt's first blocks alone, when that cannot change the answer.
+
+        If no node holds every block of the head that the lookup could report, each node's cached
+        prefix of the whole prompt is exactly its prefix of the head (prefixes stop at the first
+        missing block), so the policy would see the same view. The rest of the prompt is
+        tokenized after answering, to have it cached for the conversation's next turn. Returns
+        None when some node may hold more: the caller tokenizes everything and asks again.
+        """
+        lim = self.limits
+        seed = namespace_seed(head.model, lora=head.lora, cache_salt=head.cache_salt)
+        keys = self.keys.block_keys(head.token_ids, block_size=lim.block_size, seed=seed)
+        if not keys or head.estimated_tokens > lim.max_prompt_tokens:
+            return None
+        request = RoutingRequest(
+            model=head.model,
+            prompt_tokens=head.estimated_tokens,
+            total_blocks=head.estimated_tokens // lim.block_size,
+            block_size=lim.block_size,
+            request_id=request_id,
+            affinity=keys[-1],
+        )
+        t2 = time.perf_counter()
+        decided = await self._decide(request, keys)
+        view = decided.view
+        if view is not None and (
+            view.answerable_blocks < 0 or any(nv.cached_blocks >= view.answerable_blocks for nv in view.nodes)
+        ):
+            return None
+        if view is not None:
+            metrics.HEAD_DECISIONS.inc()
+        self._tokenize_later(path, req)
+        return await self._answer(req, request, keys, decided, reserve, (t0, t1, t2))
+
+    def _tokenize_later(self, path: str, req: dict) -> None:
+        """Fill the token cache with the whole prompt off the request's path (its next turn needs it)."""
+
+        async def fill() -> None:
+            try:
+                await self.tokenizer.tokenize_body_async(path, req, max_text_bytes=self.limits.max_prompt_bytes)
+            except (InvalidPrompt, PromptTooLarge, RecursionError):
+                pass  # judged already by the head; nothing to cache
+
+        task = asyncio.get_running_loop().create_task(fill())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _answer(
+        self,
+        req: dict,
+        request: RoutingRequest,
+        keys: list,
+        decided: _Decided,
+        reserve: bool,
+        marks: tuple[float, float, float],
+    ) -> RouteResult:
+        """Reserve the chosen node's load and build the answer from one decision round."""
+        t0, t1, t2 = marks
+        n_tokens = request.prompt_tokens
         t3, t4 = decided.looked_up, time.perf_counter()
         timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
         if decided.view is None:  # the lookup failed: nothing was scored
@@ -320,9 +393,14 @@ class RoutingCore:
         if result.reservation is None or result.released:
             return
         try:
-            result.reservation = await self.directory.settle(result.reservation)
+            settled = await self.directory.settle(result.reservation)
         except DirectoryUnavailable:
-            pass  # keep counting the prefill: the reservation still expires in the end
+            return  # keep counting the prefill: the reservation still expires in the end
+        result.reservation = settled
+        if result.released:
+            # The response ended while settling: its release gave back the reservation as it was
+            # before (on Redis the settled one has a new member), so give back this one too.
+            await self._give_back(settled)
 
     async def release(self, result: RouteResult) -> None:
         """Give back the load a routed request took; called when its response has ended."""

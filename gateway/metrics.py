@@ -67,6 +67,11 @@ DIRECTORY_LOOKUP_SECONDS = Histogram(
 DIRECTORY_ERRORS = Counter(
     "kvgate_directory_errors", "Directory calls that failed or timed out, by operation", ["op"], registry=REGISTRY
 )
+HEAD_DECISIONS = Counter(
+    "kvgate_head_decisions",
+    "Long fresh prompts routed on their first blocks (no node held those), tokenized in full after answering",
+    registry=REGISTRY,
+)
 RESERVATION_CONFLICTS = Counter(
     "kvgate_reservation_conflicts",
     "Decisions taken again because another replica loaded the chosen node between lookup and reserve",

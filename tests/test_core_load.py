@@ -113,3 +113,58 @@ async def test_service_estimate_grows_with_the_answer_budget(tok) -> None:
     assert long.service_s - long.ttft_s > 50 * (short.service_s - short.ttft_s)
     for r in (short, long):
         await core.release(r)
+
+
+async def test_a_response_ending_while_its_prefill_settles_leaves_nothing_behind(tok, redis_url, key_prefix) -> None:
+    """The race of the end of a response with its settle, on Redis where settling renames the
+    reservation: the release must not miss the renamed one."""
+    from directory_client import open_directory
+
+    directory = open_directory(redis_url, key_prefix=key_prefix, index_stride=1)
+    try:
+        core = await core_over(directory, tok)
+        for i in range(20):
+            result = await core.route("/v1/completions", body(f"Race number {i}. " * 150))
+            assert result.kind == "routed"
+            settling = asyncio.ensure_future(core._settle(result))
+            await asyncio.sleep(0)  # the settle is on its way to Redis
+            await core.release(result)
+            await settling
+        assert set((await directory.loads()).values()) == {NodeLoad()}
+    finally:
+        await directory.aclose()
+
+
+def _doc(topic: str) -> str:
+    return " ".join(f"Item {i} of the {topic} ledger moves {i * 37 % 1000} crates to dock {i % 9}." for i in range(900))
+
+
+async def test_a_long_fresh_prompt_is_routed_on_its_head_and_tokenized_after(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    heads = REGISTRY.get_sample_value("kvgate_head_decisions_total") or 0.0
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": _doc("granary")}], "max_tokens": 8}
+    result = await core.route("/v1/chat/completions", json.dumps(chat).encode())
+    assert result.kind == "routed"
+    assert REGISTRY.get_sample_value("kvgate_head_decisions_total") == heads + 1
+    full = tok.tokenize_body("/v1/chat/completions", chat).token_ids
+    assert result.request.prompt_tokens < len(full) * 1.5 and result.request.prompt_tokens > len(full) * 0.5
+    await asyncio.sleep(0.2)  # the whole prompt was tokenized after the answer: the next turn finds it
+    assert tok.tokenize_head("/v1/chat/completions", chat, fresh_chars=8192) is None
+    await core.release(result)
+
+
+async def test_a_node_holding_the_head_makes_the_gateway_read_the_whole_prompt(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": _doc("quarry")}], "max_tokens": 8}
+    ids = tok.tokenize_body("/v1/chat/completions", chat).token_ids
+    tok.clear_cache()  # this replica has not seen the text, but node n2 holds all of it
+    await directory.record_stored("n2", block_keys(ids, block_size=16, seed=namespace_seed(MODEL)), Tier.GPU)
+    heads = REGISTRY.get_sample_value("kvgate_head_decisions_total") or 0.0
+    result = await core.route("/v1/chat/completions", json.dumps(chat).encode())
+    assert REGISTRY.get_sample_value("kvgate_head_decisions_total") == heads  # not decided on the head
+    assert result.decision.node.node_id == "n2" and result.decision.outcome == "owner"
+    assert result.request.prompt_tokens == len(ids)
+    assert result.decision.expected_cached_tokens == (len(ids) // 16) * 16
+    await core.release(result)

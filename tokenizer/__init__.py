@@ -14,17 +14,21 @@ from tokenizer.keys import BlockKey, block_keys, namespace_seed
 if TYPE_CHECKING:
     from tokenizer.errors import InvalidPrompt, PromptTooLarge
     from tokenizer.lru import CacheStats
-    from tokenizer.prompt_tokenizer import PromptTokenizer, TokenizedPrompt
+    from tokenizer.prompt_tokenizer import PromptHead, PromptTokenizer, TokenizedPrompt
 
 _LAZY = {
     "InvalidPrompt": "tokenizer.errors",
     "PromptTooLarge": "tokenizer.errors",
     "CacheStats": "tokenizer.lru",
+    "PromptHead": "tokenizer.prompt_tokenizer",
     "PromptTokenizer": "tokenizer.prompt_tokenizer",
     "TokenizedPrompt": "tokenizer.prompt_tokenizer",
 }
 
-__all__ = ["BlockKey", "CacheStats", "InvalidPrompt", "PromptTokenizer", "PromptTooLarge", "TokenizedPrompt", "block_keys", "namespace_seed"]
+__all__ = [
+    "BlockKey", "CacheStats", "InvalidPrompt", "PromptHead", "PromptTokenizer", "PromptTooLarge", "TokenizedPrompt",
+    "block_keys", "namespace_seed",
+]  # fmt: skip
 
 
 def __getattr__(name: str) -> Any:

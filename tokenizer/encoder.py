@@ -136,5 +136,35 @@ class SegmentedEncoder:
         out.setflags(write=False)
         return out
 
+    def head(self, plan: EncodePlan, *, fresh_chars: int, margin_tokens: int = 32) -> np.ndarray | None:
+        """Token IDs of a leading part of the text that the full encoding is sure to start with,
+        tokenizing at most ~``fresh_chars`` characters that are not cached (None: not possible).
+
+        The first missing piece is cut just before a space and encoded without caching; only the
+        last pre-token or two of a cut text can differ from the whole (pre-tokenizer regexes look
+        at most one character ahead, BPE merges stay inside pre-tokens), and ``margin_tokens``
+        more are dropped for good measure. A property test checks the prefix relation.
+        """
+        if plan.whole_text is not None:
+            return None
+        parts: list[np.ndarray] = [self._prefix] if plan.wrap and self._prefix is not None else []
+        for part in plan.parts:
+            if not isinstance(part, str):
+                parts.append(part)
+                continue
+            cut = part.rfind(" ", 0, fresh_chars)
+            while cut > 0 and part[cut - 1].isspace():  # cut after a word, never inside whitespace
+                cut -= 1
+            if cut <= 0:
+                return None
+            ids = self._encode_batch([part[:cut]], add_special_tokens=False)[0].ids
+            if len(ids) <= margin_tokens:
+                return None
+            parts.append(_frozen(ids[:-margin_tokens]))
+            out = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            out.setflags(write=False)
+            return out
+        return None  # nothing missing: the caller encodes in full, cheaply
+
     def encode(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         return self.complete(self.plan(text, add_special_tokens=add_special_tokens))

@@ -30,9 +30,27 @@ CHARS_PER_TOKEN = 4
 """Estimate used before encoding to decide what to offload (English BPE averages ~4 characters a
 token; CJK text has fewer, so its threshold is reached later — up to ~4x the tokens)."""
 
+HEAD_CHARS = 2048
+"""Uncached characters tokenized for a prompt's head (~0.5 ms here): enough for ~30 blocks."""
+
 DEFAULT_OFFLOAD_TOKENS = 512
 """Fresh text beyond ~512 tokens (~0.5 ms of encoding here) goes to a thread; below that the hop
 (~0.1 ms) is not worth it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptHead:
+    """The leading token IDs of a prompt whose rest is long and not yet tokenized.
+
+    ``token_ids`` is a prefix of what ``tokenize_body`` would return; ``estimated_tokens`` is the
+    whole prompt's length estimated from its characters (for costs, never for keys).
+    """
+
+    model: str
+    token_ids: np.ndarray
+    estimated_tokens: int
+    lora: str | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +185,39 @@ class PromptTokenizer:
             text, special = self.prompt_text(req.prompt)
             ids = self.encode_text(text, add_special_tokens=special)
         return TokenizedPrompt(req.model, ids, cache_salt=req.cache_salt)
+
+    def tokenize_head(
+        self,
+        path: str,
+        body: Any,
+        *,
+        fresh_chars: int,
+        head_chars: int = HEAD_CHARS,
+        max_text_bytes: int | None = None,
+    ) -> PromptHead | None:
+        """The prompt's leading tokens, when its uncached text is longer than ``fresh_chars``;
+        at most ``head_chars`` uncached characters are tokenized for them.
+
+        Tokenizing a fresh 8k-token document costs ~15 ms (more on a busy CPU); when no node
+        holds even the prompt's first blocks, routing does not need the rest. None means "just
+        tokenize the body": the prompt is token IDs, short, or mostly cached. Raises what
+        ``tokenize_body`` raises for an invalid body.
+        """
+        req = self.parse(path, body)
+        if isinstance(req.prompt, TokenPrompt):
+            return None
+        text, special = self.prompt_text(req.prompt)
+        if max_text_bytes is not None and _utf8_len_over(text, max_text_bytes):
+            raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
+        plan = self._encoder.plan(text, add_special_tokens=special)
+        if plan.missing_chars <= fresh_chars:
+            return None
+        budget = min(head_chars, fresh_chars)
+        ids = self._encoder.head(plan, fresh_chars=budget)
+        if ids is None:
+            return None
+        estimated = len(ids) + max(plan.missing_chars - budget, 0) // CHARS_PER_TOKEN
+        return PromptHead(req.model, ids, estimated, cache_salt=req.cache_salt)
 
     async def tokenize_body_async(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> TokenizedPrompt:
         """``tokenize_body`` for the event loop: long fresh encoding runs in the executor.
