@@ -1,4 +1,4 @@
-"""The request path's one entry point, shared by every Envoy integration (ext_proc today).
+"""The request path's one entry point, shared by both Envoy integrations (ext_proc, ext_authz).
 
 ``RoutingCore.route`` turns an inference request body into one of three answers:
 - ``routed``: set these headers (the chosen node, pull instructions) — the load is reserved
@@ -8,6 +8,14 @@
 - ``fail_open``: kvgate could not decide (directory down or slow, no live node, an internal
   error); set no header, so Envoy's fallback route balances by least-request. Counted in
   ``kvgate_fail_open{reason}``.
+
+How a request's load is accounted: the chosen node is reserved with compare-and-reserve against
+the load the decision saw (another replica taking it meanwhile means one more decision, never a
+herd); its prompt stops counting as queued prefill at the policy's estimate of its first token
+(``Directory.settle``); the request leaves the node's load when its response ends (``release``).
+
+A long prompt whose text was never tokenized here is first routed on its head: when no node
+holds even its first blocks, the rest cannot change the decision (``_route_by_head``).
 
 Observability is applied after the decision, from the ``RouteResult`` alone (``_account``): the
 stages are timed with four ``perf_counter`` reads, and metrics, the decision log and the trace
