@@ -2,16 +2,16 @@
 
 It is the baseline kvgate has to beat, and what Envoy's own fallback route does when kvgate is
 down, so a load test run with it shows what cache affinity adds. Ties go to fewer queued prefill
-tokens, then node_id.
+tokens, then fewer blocks held, then the spread hash of (node, prompt) (``base.load_rank``).
 """
 
 from __future__ import annotations
 
 from directory_client.types import DirectoryView, NodeView
-from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, describe, load_rank, no_nodes, ranked_fallbacks
-from gateway.policy.cost_model import TtftEstimator
+from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, load_rank
+from gateway.policy.ranked import decide_by_rank
 from gateway.profile import HardwareProfile
-from gateway.types import Decision, RoutingRequest
+from gateway.types import Decision, Outcome, RoutingRequest
 
 
 class LeastRequestPolicy:
@@ -24,26 +24,13 @@ class LeastRequestPolicy:
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
     ) -> Decision:
-        nodes = view.nodes
-        if not nodes:
-            return no_nodes(self.name)
-        def rank(nv: NodeView) -> tuple[int, int, int, int, str]:
-            return load_rank(nv, request.affinity)
+        def explain(chosen: NodeView) -> tuple[Outcome, str]:
+            load = chosen.load
+            return "balanced", (
+                f"least loaded {chosen.node.node_id}: {load.inflight} in flight, {load.prefill_tokens} queued tokens"
+            )
 
-        i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))
-        chosen = nodes[i]
-        est = TtftEstimator(profile, request)
-        costs = tuple(est.node_costs(nodes))
-        mine = costs[i]
-        return Decision(
-            policy=self.name,
-            outcome="balanced",
-            node=chosen.node,
-            fallbacks=ranked_fallbacks(nodes, rank, chosen, self.fallbacks),
-            expected_cached_tokens=est.cached_tokens(chosen.cached_blocks),
-            candidates=costs,
-            reason=(
-                f"least loaded {chosen.node.node_id}: {chosen.load.inflight} in flight, "
-                f"{chosen.load.prefill_tokens} queued tokens; est. {describe(mine)}"
-            ),
-        )
+        return decide_by_rank(
+            self.name, request, view, profile,
+            rank=lambda nv: load_rank(nv, request.affinity), fallbacks=self.fallbacks, explain=explain,
+        )  # fmt: skip

@@ -9,10 +9,10 @@ by the spread hash of (node, prompt).
 from __future__ import annotations
 
 from directory_client.types import DirectoryView, NodeView
-from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, describe, load_rank, no_nodes, ranked_fallbacks
-from gateway.policy.cost_model import TtftEstimator
+from gateway.policy.base import DEFAULT_FALLBACKS, check_fallbacks, load_rank
+from gateway.policy.ranked import decide_by_rank
 from gateway.profile import HardwareProfile
-from gateway.types import Decision, RoutingRequest
+from gateway.types import Decision, Outcome, RoutingRequest
 
 
 def _prefix_rank(nv: NodeView, affinity: int) -> tuple[int, int, int, int, int, str]:
@@ -29,29 +29,14 @@ class PrefixOnlyPolicy:
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
     ) -> Decision:
-        nodes = view.nodes
-        if not nodes:
-            return no_nodes(self.name)
-        def rank(nv: NodeView) -> tuple[int, int, int, int, int, str]:
-            return _prefix_rank(nv, request.affinity)
+        def explain(chosen: NodeView) -> tuple[Outcome, str]:
+            if chosen.cached_blocks > 0:
+                return "owner", (
+                    f"longest prefix {chosen.node.node_id}: {chosen.cached_blocks}/{request.total_blocks} blocks"
+                )
+            return "balanced", f"no node holds a prefix; least loaded {chosen.node.node_id}"
 
-        i = min(range(len(nodes)), key=lambda j: rank(nodes[j]))
-        chosen = nodes[i]
-        est = TtftEstimator(profile, request)
-        costs = tuple(est.node_costs(nodes))
-        mine = costs[i]
-        hit = chosen.cached_blocks > 0
-        head = (
-            f"longest prefix {chosen.node.node_id}: {chosen.cached_blocks}/{request.total_blocks} blocks"
-            if hit
-            else f"no node holds a prefix; least loaded {chosen.node.node_id}"
-        )
-        return Decision(
-            policy=self.name,
-            outcome="owner" if hit else "balanced",
-            node=chosen.node,
-            fallbacks=ranked_fallbacks(nodes, rank, chosen, self.fallbacks),
-            expected_cached_tokens=est.cached_tokens(chosen.cached_blocks),
-            candidates=costs,
-            reason=f"{head}; est. {describe(mine)}",
-        )
+        return decide_by_rank(
+            self.name, request, view, profile,
+            rank=lambda nv: _prefix_rank(nv, request.affinity), fallbacks=self.fallbacks, explain=explain,
+        )  # fmt: skip
