@@ -81,6 +81,8 @@ class _Load:
 class InProcessDirectory:
     """``Directory`` held in this process's memory (one gateway replica; tests' model)."""
 
+    in_process = True  # every operation completes without awaiting I/O
+
     def __init__(
         self,
         *,

@@ -87,6 +87,8 @@ class RedisDirectoryBase(ABC):
 
     backend_name = "redis"
 
+    in_process = False  # every operation is a network round trip: callers bound it with a timeout
+
     def __init__(
         self,
         client: Any,

@@ -110,7 +110,12 @@ class Directory(Protocol):
     whose heartbeat expired are never returned; lookups stop at the first missing block; writes
     are idempotent. Every method raises ``DirectoryUnavailable`` (and nothing else) when the
     backend is down.
+
+    ``in_process``: True when operations never wait on I/O (the in-process backend), so callers
+    need not guard them with a timeout (a guard costs ~5 µs a call on the request path).
     """
+
+    in_process: bool
 
     async def register_node(self, node: NodeInfo) -> None: ...
     async def heartbeat(self, node_id: str) -> None: ...

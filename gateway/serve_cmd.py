@@ -25,7 +25,7 @@ from aiohttp import web
 from directory_client import open_directory
 from directory_client.factory import redact_url
 from directory_client.types import NodeInfo
-from ext_proc.ext_authz import ExtAuthzService, build_ext_authz_app
+from ext_proc.ext_authz import ExtAuthzService
 from ext_proc.server import build_server
 from gateway.admin import build_admin_app
 from gateway.admin_debug import DebugApi
@@ -153,10 +153,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         directory, tokenizer=tokenizer, monitor=monitor, debug=debug,
         client_max_size=cfg.limits.max_body_bytes + (1 << 20),
     )
-    runners = [(web.AppRunner(admin, access_log=None), cfg.admin_port)]
-    if authz is not None:
-        app = build_ext_authz_app(authz, max_body_bytes=cfg.limits.max_body_bytes)
-        runners.append((web.AppRunner(app, access_log=None), cfg.ext_authz_port))
+    admin_runner = web.AppRunner(admin, access_log=None)
     try:
         if tracing is not None:
             await tracing.start()
@@ -167,9 +164,11 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await discovery.start()
         if grpc_server is not None:
             await grpc_server.start()
-        for runner, port in runners:
-            await runner.setup()
-            await web.TCPSite(runner, cfg.listen_host, port).start()
+        if authz is not None:
+            assert cfg.ext_authz_port is not None
+            await authz.start(cfg.listen_host, cfg.ext_authz_port, max_body_bytes=cfg.limits.max_body_bytes)
+        await admin_runner.setup()
+        await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
         log.info(
             "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
@@ -180,10 +179,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         log.info("kvgate shutting down")
         if grpc_server is not None:
             await grpc_server.stop(grace=5)
-        for runner, _ in reversed(runners):
-            await runner.cleanup()
         if authz is not None:
-            await authz.aclose()
+            await authz.aclose()  # stop accepting checks, then give back the load still held
+        await admin_runner.cleanup()
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:

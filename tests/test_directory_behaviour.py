@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 
 from directory_client import (
@@ -372,6 +373,10 @@ async def test_stride_answers_in_engine_blocks(backend: Backend, stride: int) ->
     prev = max(i for i in sampled if i < cut)
     assert cached(await d.lookup(keys))["full"] == prev + 1
     assert KeySampler(stride).blocks_for(0, sampled) == 0
+    # the gateway passes its keys as a uint64 array: the same answers
+    as_array = np.array(keys, dtype=np.uint64)
+    assert cached(await d.lookup(as_array)) == cached(await d.lookup(keys))
+    assert KeySampler(stride).select_positions(as_array) == KeySampler(stride).select_positions(keys)
 
 
 @pytest.mark.parametrize("backend", ["redis", "cluster"], indirect=True)

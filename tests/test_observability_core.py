@@ -344,3 +344,27 @@ def test_the_exporter_follows_the_otel_variables() -> None:
     ):
         with pytest.raises(TracingSetupError, match=message):
             Tracing(env=env)
+
+
+def test_loop_histograms_expose_cumulative_buckets_as_prometheus_parses_them() -> None:
+    """What a Prometheus scrape sees of the lock-free request-path histograms: "<= bound" buckets,
+    cumulative, a +Inf bucket equal to the count, and the sum."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    registry = CollectorRegistry()
+    family = metrics.LoopHistograms("t_seconds", "test", ["stage"], buckets=(0.001, 0.01), registry=registry)
+    series = family.labels("lookup")
+    for value in (0.0005, 0.001, 0.002, 5.0):  # 0.001 sits exactly on a bound: it counts as "<= 0.001"
+        series.observe(value)
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in f.samples
+    }
+    assert samples[("t_seconds_bucket", "0.001")] == 2
+    assert samples[("t_seconds_bucket", "0.01")] == 3
+    assert samples[("t_seconds_bucket", "+Inf")] == samples[("t_seconds_count", None)] == 4
+    assert samples[("t_seconds_sum", None)] == pytest.approx(5.0035)
+    with pytest.raises(ValueError, match="takes labels"):
+        family.labels()

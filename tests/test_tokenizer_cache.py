@@ -92,4 +92,16 @@ def test_concurrent_use_keeps_accounting_exact() -> None:
     assert stats.hits + stats.misses == sum(lookups)  # no lost updates under the lock
     assert stats.bytes <= 5_000
     with cache._lock:  # recompute from the entries themselves
-        assert stats.bytes == sum(entry_cost(k, v) for k, (v, _) in cache._data.items())
+        assert stats.bytes == sum(cost for _, cost in cache._data.values())
+
+
+def test_long_ascii_and_non_ascii_keys_are_told_apart() -> None:
+    """ASCII keys are held as digests, others as text: lookups must not care which."""
+    cache = ByteBoundedLRU(1 << 20)
+    doc = "paragraph " * 3000
+    cache.put(doc, ids(3))
+    cache.put(doc + "!", ids(4))
+    cache.put("日本" + doc, ids(5))
+    assert [len(x) for x in cache.get_many([doc, doc + "!", "日本" + doc])] == [3, 4, 5]
+    assert cache.get(doc[:-1]) is None and doc in cache and "日本" not in cache
+    assert cache.stats.bytes == sum(entry_cost(k, ids(n)) for k, n in ((doc, 3), (doc + "!", 4), ("日本" + doc, 5)))

@@ -14,19 +14,20 @@ from tokenizer.keys import BlockKey, block_keys, namespace_seed
 if TYPE_CHECKING:
     from tokenizer.errors import InvalidPrompt, PromptTooLarge
     from tokenizer.lru import CacheStats
-    from tokenizer.prompt_tokenizer import PromptHead, PromptTokenizer, TokenizedPrompt
+    from tokenizer.prompt_tokenizer import PreparedPrompt, PromptHead, PromptTokenizer, TokenizedPrompt
 
 _LAZY = {
     "InvalidPrompt": "tokenizer.errors",
     "PromptTooLarge": "tokenizer.errors",
     "CacheStats": "tokenizer.lru",
+    "PreparedPrompt": "tokenizer.prompt_tokenizer",
     "PromptHead": "tokenizer.prompt_tokenizer",
     "PromptTokenizer": "tokenizer.prompt_tokenizer",
     "TokenizedPrompt": "tokenizer.prompt_tokenizer",
 }
 
 __all__ = [
-    "BlockKey", "CacheStats", "InvalidPrompt", "PromptHead", "PromptTokenizer", "PromptTooLarge", "TokenizedPrompt",
+    "BlockKey", "CacheStats", "InvalidPrompt", "PreparedPrompt", "PromptHead", "PromptTokenizer", "PromptTooLarge", "TokenizedPrompt",
     "block_keys", "namespace_seed",
 ]  # fmt: skip
 

@@ -37,6 +37,8 @@ from typing import Any
 
 import jinja2
 from jinja2.ext import loopcontrols
+from jinja2.runtime import new_context
+from jinja2.utils import concat
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenizer.errors import InvalidPrompt
@@ -139,6 +141,10 @@ class ChatTemplate:
             self._template = _compile(source)
         except jinja2.TemplateSyntaxError as exc:
             raise ValueError(f"chat template {origin or '<text>'} does not compile: {exc}") from exc
+        # Rendered in a context over one plain dict of globals + variables: Template.render merges
+        # and re-reads the globals through a ChainMap on every call (~8 of ~17 µs for a 4-message
+        # chat). ``jinja2.runtime.new_context`` is what Template.render itself calls.
+        self._globals = dict(self._template.globals)
         self.source = source
         self.origin = origin
         self.bos_token = bos_token
@@ -165,14 +171,20 @@ class ChatTemplate:
     def render(self, messages: Any, *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Prompt text for ``messages``; template errors and bad messages raise ``InvalidPrompt``."""
         normalized = normalize_messages(messages)
+        variables = {
+            **self._globals,
+            **kwargs,
+            "messages": normalized,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        template = self._template
         try:
-            return self._template.render(
-                messages=normalized,
-                bos_token=self.bos_token,
-                eos_token=self.eos_token,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
+            context = new_context(
+                template.environment, template.name, template.blocks, variables, shared=True, globals=self._globals
             )
+            return concat(template.root_render_func(context))
         except jinja2.TemplateError as exc:
             raise InvalidPrompt(f"chat template rejected the messages: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:

@@ -79,18 +79,19 @@ class PrefixKeyCache:
     A multi-turn chat resends its whole history each turn; keying 512 blocks one Python call at
     a time costs ~100 µs a request, most of it for blocks keyed last turn already. This cache cuts
     the prompt into segments of ``segment_blocks`` blocks and remembers each segment's keys under
-    the 128-bit digest of every token up to the segment's end (one running xxh3-128 over the
-    prompt, read at each segment boundary), so a segment is found only after the very same
-    prefix. Only blocks past the last cached segment are keyed block by block.
+    (key of the block before it, block size, xxh3-64 of its tokens): the previous key stands for
+    the whole prefix before the segment, exactly as in the chain itself, so a segment is found
+    only after the very same prefix. Only the blocks past the last whole segment are keyed one by
+    one (~16 µs a request for an 8k-token chat, against ~100 uncached).
 
     Results always equal ``block_keys`` (a property test checks it). Memory is bounded by
-    ``max_segments`` (LRU), about ``8 * segment_blocks + 120`` bytes each. Not thread-safe: the
-    gateway calls it from its event loop only.
+    ``max_segments`` (LRU), about ``8 * segment_blocks + 120`` bytes each (~20 MB by default).
+    Not thread-safe: the gateway calls it from its event loop only.
     """
 
     __slots__ = ("segment_blocks", "max_segments", "_segments", "hits", "misses")
 
-    def __init__(self, *, segment_blocks: int = 32, max_segments: int = 65536) -> None:
+    def __init__(self, *, segment_blocks: int = 64, max_segments: int = 32768) -> None:
         if segment_blocks <= 0 or max_segments <= 0:
             raise ValueError("segment_blocks and max_segments must be positive")
         self.segment_blocks = segment_blocks
@@ -99,30 +100,34 @@ class PrefixKeyCache:
         self.hits = 0
         self.misses = 0
 
-    def block_keys(self, token_ids: Sequence[int] | np.ndarray, *, block_size: int, seed: int) -> list[BlockKey]:
+    def block_keys(self, token_ids: Sequence[int] | np.ndarray, *, block_size: int, seed: int) -> np.ndarray:
+        """``block_keys`` as a read-only uint64 array (the directory samples and packs it vectorised)."""
         arr = _as_u32(token_ids, block_size)
         n_full = len(arr) // block_size
-        data = memoryview(arr[: n_full * block_size].tobytes())
+        data = memoryview(np.ascontiguousarray(arr[: n_full * block_size])).cast("B")  # no copy
         seg = self.segment_blocks * block_size * 4
-        running = xxhash.xxh3_128(seed=seed)
+        stride = block_size * 4
         segments = self._segments
-        out: list[BlockKey] = []
+        digest = xxhash.xxh3_64_intdigest
+        out = array("Q")
+        parent = seed
         for end in range(seg, len(data) + 1, seg):
-            running.update(data[end - seg : end])
-            ident = (seed, block_size, running.intdigest())
+            chunk = data[end - seg : end]
+            ident = (parent, block_size, digest(chunk))
             cached = segments.get(ident)
             if cached is not None:
                 self.hits += 1
                 segments.move_to_end(ident)
-                out.extend(cached)  # type: ignore[arg-type]
-                continue
-            self.misses += 1
-            fresh = _chain(data[end - seg : end], block_size * 4, out[-1] if out else seed)
-            segments[ident] = array("Q", fresh)
-            if len(segments) > self.max_segments:
-                segments.popitem(last=False)
-            out.extend(fresh)
+            else:
+                self.misses += 1
+                cached = segments[ident] = array("Q", _chain(chunk, stride, parent))
+                if len(segments) > self.max_segments:
+                    segments.popitem(last=False)
+            out.extend(cached)
+            parent = cached[-1]
         tail = len(data) - len(data) % seg
         if tail < len(data):
-            out.extend(_chain(data[tail:], block_size * 4, out[-1] if out else seed))
-        return out
+            out.extend(_chain(data[tail:], stride, parent))
+        keys = np.frombuffer(out, dtype=np.uint64) if out else np.zeros(0, dtype=np.uint64)
+        keys.setflags(write=False)
+        return keys

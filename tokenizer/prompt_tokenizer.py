@@ -3,9 +3,10 @@
 The gateway (to key blocks and route) and the simulated engine (to cache and report hits) both
 call this, so they agree token for token. Per request it validates the body, renders chat
 messages through the chat template, and encodes through the per-segment cache; a multi-turn chat
-thus tokenizes only its newest turn. ``tokenize_body_async`` keeps the event loop free: work that
-is cached or short is done inline (a thread hop costs more than it), long fresh text is encoded
-in a thread pool, where ``tokenizers`` runs without the GIL.
+thus tokenizes only its newest turn. A request is ``prepare``d once (parse, render, cache
+lookup); its head and its whole encoding both continue from there. ``complete_async`` keeps the
+event loop free: work that is cached or short is done inline (a thread hop costs more than it),
+long fresh text is encoded in a thread pool, where ``tokenizers`` runs without the GIL.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from tokenizer.chat_template import ChatTemplate, normalize_content
-from tokenizer.encoder import SegmentedEncoder
+from tokenizer.encoder import EncodePlan, SegmentedEncoder
 from tokenizer.errors import InvalidPrompt, PromptTooLarge
 from tokenizer.loading import load_tokenizer
 from tokenizer.lru import CacheStats
@@ -51,6 +52,19 @@ class PromptHead:
     estimated_tokens: int
     lora: str | None = None
     cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A request's prompt, parsed, rendered and looked up in the segment cache; not yet encoded.
+
+    ``token_ids`` is set for a prompt given as token IDs (nothing to encode), ``plan`` otherwise.
+    """
+
+    model: str
+    cache_salt: str | None
+    token_ids: np.ndarray | None
+    plan: EncodePlan | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,18 +158,6 @@ class PromptTokenizer:
         """Token IDs of ``text`` (uint32, read-only), equal to the tokenizer's own encoding."""
         return self._encoder.encode(text, add_special_tokens=add_special_tokens)
 
-    async def encode_text_async(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
-        """``encode_text`` that moves long uncached encoding off the event loop.
-
-        If the caller is cancelled (Envoy dropped the stream), the encode still finishes in its
-        thread and fills the cache: the next turn of that conversation will need it.
-        """
-        plan = self._encoder.plan(text, add_special_tokens=add_special_tokens)
-        if plan.missing_chars > self._offload_chars:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._encoder.complete, plan)
-        return self._encoder.complete(plan)
-
     def decode(self, ids: Any) -> str:
         """Token IDs → text, special tokens included (for logs, the simulated engine's output)."""
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -176,15 +178,61 @@ class PromptTokenizer:
             text = _continue_final_message(text, prompt.messages)
         return text, prompt.add_special_tokens
 
-    def tokenize_body(self, path: str, body: Any) -> TokenizedPrompt:
-        """The prompt's token IDs for a request body sent to ``path``; raises ``InvalidPrompt``."""
+    def prepare(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> PreparedPrompt:
+        """Parse, render and look the prompt up in the segment cache — everything but encoding.
+
+        One request is prepared once: its head (``head``) and its whole encoding
+        (``complete``/``complete_async``) both continue from here. ``max_text_bytes``: a rendered
+        prompt longer than this (UTF-8) raises ``PromptTooLarge`` before any encoding (encoding
+        costs ~0.5 s of CPU per MB here). Raises ``InvalidPrompt`` for an invalid body.
+        """
         req = self.parse(path, body)
         if isinstance(req.prompt, TokenPrompt):
-            ids = req.prompt.token_ids
-        else:
-            text, special = self.prompt_text(req.prompt)
-            ids = self.encode_text(text, add_special_tokens=special)
-        return TokenizedPrompt(req.model, ids, cache_salt=req.cache_salt)
+            return PreparedPrompt(req.model, req.cache_salt, req.prompt.token_ids, None)
+        text, special = self.prompt_text(req.prompt)
+        if max_text_bytes is not None and _utf8_len_over(text, max_text_bytes):
+            raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
+        return PreparedPrompt(req.model, req.cache_salt, None, self._encoder.plan(text, add_special_tokens=special))
+
+    def complete(self, prepared: PreparedPrompt) -> TokenizedPrompt:
+        """The prepared prompt's token IDs, encoding what the cache missed here and now."""
+        ids = prepared.token_ids if prepared.plan is None else self._encoder.complete(prepared.plan)
+        return TokenizedPrompt(prepared.model, ids, cache_salt=prepared.cache_salt)
+
+    async def complete_async(self, prepared: PreparedPrompt) -> TokenizedPrompt:
+        """``complete`` for the event loop: long fresh text is encoded in the executor.
+
+        If the caller is cancelled (Envoy dropped the stream), the encode still finishes in its
+        thread and fills the cache: the next turn of that conversation will need it.
+        """
+        plan = prepared.plan
+        if plan is not None and plan.missing_chars > self._offload_chars:
+            loop = asyncio.get_running_loop()
+            ids = await loop.run_in_executor(self._executor, self._encoder.complete, plan)
+            return TokenizedPrompt(prepared.model, ids, cache_salt=prepared.cache_salt)
+        return self.complete(prepared)
+
+    def head(self, prepared: PreparedPrompt, *, fresh_chars: int, head_chars: int = HEAD_CHARS) -> PromptHead | None:
+        """The prompt's leading tokens, when its uncached text is longer than ``fresh_chars``;
+        at most ``head_chars`` uncached characters are tokenized for them.
+
+        Tokenizing a fresh 8k-token document costs ~15 ms (more on a busy CPU); when no node
+        holds even the prompt's first blocks, routing does not need the rest. None means "just
+        complete it": the prompt is token IDs, short, or mostly cached.
+        """
+        plan = prepared.plan
+        if plan is None or plan.missing_chars <= fresh_chars:
+            return None
+        budget = min(head_chars, fresh_chars)
+        ids = self._encoder.head(plan, fresh_chars=budget)
+        if ids is None:
+            return None
+        estimated = len(ids) + max(plan.missing_chars - budget, 0) // CHARS_PER_TOKEN
+        return PromptHead(prepared.model, ids, estimated, cache_salt=prepared.cache_salt)
+
+    def tokenize_body(self, path: str, body: Any) -> TokenizedPrompt:
+        """The prompt's token IDs for a request body sent to ``path``; raises ``InvalidPrompt``."""
+        return self.complete(self.prepare(path, body))
 
     def tokenize_head(
         self,
@@ -195,42 +243,9 @@ class PromptTokenizer:
         head_chars: int = HEAD_CHARS,
         max_text_bytes: int | None = None,
     ) -> PromptHead | None:
-        """The prompt's leading tokens, when its uncached text is longer than ``fresh_chars``;
-        at most ``head_chars`` uncached characters are tokenized for them.
-
-        Tokenizing a fresh 8k-token document costs ~15 ms (more on a busy CPU); when no node
-        holds even the prompt's first blocks, routing does not need the rest. None means "just
-        tokenize the body": the prompt is token IDs, short, or mostly cached. Raises what
-        ``tokenize_body`` raises for an invalid body.
-        """
-        req = self.parse(path, body)
-        if isinstance(req.prompt, TokenPrompt):
-            return None
-        text, special = self.prompt_text(req.prompt)
-        if max_text_bytes is not None and _utf8_len_over(text, max_text_bytes):
-            raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
-        plan = self._encoder.plan(text, add_special_tokens=special)
-        if plan.missing_chars <= fresh_chars:
-            return None
-        budget = min(head_chars, fresh_chars)
-        ids = self._encoder.head(plan, fresh_chars=budget)
-        if ids is None:
-            return None
-        estimated = len(ids) + max(plan.missing_chars - budget, 0) // CHARS_PER_TOKEN
-        return PromptHead(req.model, ids, estimated, cache_salt=req.cache_salt)
+        """``head`` of a body (see there); raises what ``tokenize_body`` raises for an invalid body."""
+        return self.head(self.prepare(path, body, max_text_bytes=max_text_bytes), fresh_chars=fresh_chars, head_chars=head_chars)
 
     async def tokenize_body_async(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> TokenizedPrompt:
-        """``tokenize_body`` for the event loop: long fresh encoding runs in the executor.
-
-        ``max_text_bytes``: a rendered prompt longer than this (UTF-8) raises ``PromptTooLarge``
-        before any encoding (encoding costs ~0.5 s of CPU per MB here).
-        """
-        req = self.parse(path, body)
-        if isinstance(req.prompt, TokenPrompt):
-            ids = req.prompt.token_ids
-        else:
-            text, special = self.prompt_text(req.prompt)
-            if max_text_bytes is not None and _utf8_len_over(text, max_text_bytes):
-                raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
-            ids = await self.encode_text_async(text, add_special_tokens=special)
-        return TokenizedPrompt(req.model, ids, cache_salt=req.cache_salt)
+        """``tokenize_body`` for the event loop (see ``prepare`` and ``complete_async``)."""
+        return await self.complete_async(self.prepare(path, body, max_text_bytes=max_text_bytes))

@@ -123,7 +123,7 @@ def rank_candidates(
     tied = [i for i, t in enumerate(totals) if t <= floor]
     if len(tied) > 1:
         tied.sort(key=lambda i: load_rank(nodes[i], affinity))
-    if len(tied) >= count:
+    if len(tied) >= count or len(tied) == len(totals):
         return tied[:count]
     others = (i for i, t in enumerate(totals) if t > floor)
     return tied + heapq.nsmallest(count - len(tied), others, key=totals.__getitem__)
