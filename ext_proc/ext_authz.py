@@ -38,6 +38,7 @@ from urllib.parse import unquote
 import httptools
 
 from gateway.core import RouteResult, RoutingCore, error_body
+from gateway.deadlines import Deadline
 from gateway.envoy_config import INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 
@@ -82,7 +83,7 @@ class ExtAuthzService:
 
     def __init__(self, core: RoutingCore) -> None:
         self.core = core
-        self._pending: dict[asyncio.TimerHandle, RouteResult] = {}
+        self._pending: dict[Deadline, RouteResult] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
 
@@ -104,11 +105,11 @@ class ExtAuthzService:
 
     def _release_later(self, result: RouteResult) -> None:
         def fire() -> None:
-            self._pending.pop(handle, None)
+            self._pending.pop(deadline, None)
             self.core.run_detached(self.core.release(result))
 
-        handle = asyncio.get_running_loop().call_later(result.service_s, fire)
-        self._pending[handle] = result
+        deadline = self.core.deadlines.call_later(result.service_s, fire)
+        self._pending[deadline] = result
 
     async def aclose(self) -> None:
         """Stop listening, close connections (checks in progress finish and release at once), then
@@ -118,14 +119,14 @@ class ExtAuthzService:
             connections = list(self._connections)
             for conn in connections:
                 conn.close()
-            busy = [c.worker for c in connections if c.worker is not None]
-            if busy:
-                await asyncio.wait(busy, timeout=CLOSE_GRACE_S)
+            workers = [c.worker for c in connections if c.worker is not None]
+            if workers:  # idle ones end at once; busy ones when their check does
+                await asyncio.wait(workers, timeout=CLOSE_GRACE_S)
             await self._server.wait_closed()
             self._server = None
         pending, self._pending = self._pending, {}
-        for handle in pending:
-            handle.cancel()
+        for deadline in pending:
+            deadline.cancel()
         await asyncio.gather(*(self.core.release(r) for r in pending.values()))
 
 
@@ -141,13 +142,16 @@ class _Request:
 
 
 class _Connection(asyncio.Protocol):
-    """One client connection: llhttp parses, complete requests queue up, one task answers them
-    in order (pipelining-safe); reading pauses while too many wait or the client does not read."""
+    """One client connection: llhttp parses, complete requests queue up, one task per connection
+    answers them in order (pipelining-safe); reading pauses while too many wait or the client
+    does not read."""
 
     def __init__(self, service: ExtAuthzService, max_body_bytes: int) -> None:
         self.service = service
         self.max_body_bytes = max_body_bytes
-        self.worker: asyncio.Task | None = None  # answering the queue; None: idle
+        self.worker: asyncio.Task | None = None  # answers the queue while the connection lives
+        self._busy = False  # a check is being decided
+        self._wakeup: asyncio.Future[None] | None = None  # the idle worker waits on this
         self._parser = httptools.HttpRequestParser(self)
         self._transport: asyncio.Transport | None = None
         self._queue: deque[_Request | bytes] = deque()  # bytes: a last answer, then close
@@ -168,11 +172,13 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.service._connections.add(self)
+        self.worker = asyncio.get_running_loop().create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.service._connections.discard(self)
         if self._linger is not None:
             self._linger.cancel()
+        self._wake()  # an idle worker sees the transport closed and ends
 
     def data_received(self, data: bytes) -> None:
         if self._done:
@@ -221,7 +227,7 @@ class _Connection(asyncio.Protocol):
             self._expect_continue = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
-        if self._expect_continue and not self._done and self.worker is None and not self._queue:
+        if self._expect_continue and not self._done and not self._busy and not self._queue:
             assert self._transport is not None
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -268,8 +274,11 @@ class _Connection(asyncio.Protocol):
     def _enqueue(self, item: _Request | bytes) -> None:
         self._queue.append(item)
         self._update_reading()
-        if self.worker is None:
-            self.worker = asyncio.get_running_loop().create_task(self._serve())
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.done():
+            self._wakeup.set_result(None)
 
     def _last(self, response: bytes) -> None:
         """Queue a last answer (after those of the requests before it) and ignore further input."""
@@ -288,25 +297,33 @@ class _Connection(asyncio.Protocol):
             transport.pause_reading()
 
     async def _serve(self) -> None:
-        """Answer the queued requests one at a time, so answers leave in request order."""
+        """For the connection's life, answer the queued requests one at a time, so answers leave
+        in request order. Between requests it waits to be woken: a task per request would cost
+        ~6 µs more (measured at concurrency 1)."""
+        loop = asyncio.get_running_loop()
         transport = self._transport
         assert transport is not None
-        try:
-            while self._queue and not transport.is_closing():
-                item = self._queue.popleft()
-                self._update_reading()
-                if isinstance(item, bytes):
-                    self._finish(transport, item)
-                    return
+        while not transport.is_closing():
+            if not self._queue:
+                self._wakeup = loop.create_future()
+                await self._wakeup
+                continue
+            item = self._queue.popleft()
+            self._update_reading()
+            if isinstance(item, bytes):
+                self._finish(transport, item)
+                return
+            self._busy = True
+            try:
                 response = await self._answer(item)
-                if transport.is_closing():  # the client left: _answer gave its load back
-                    return
-                transport.write(response)
-                if not item.keep_alive:
-                    transport.close()
-                    return
-        finally:
-            self.worker = None
+            finally:
+                self._busy = False
+            if transport.is_closing():  # the client left: _answer gave its load back
+                return
+            transport.write(response)
+            if not item.keep_alive:
+                transport.close()
+                return
 
     async def _answer(self, req: _Request) -> bytes:
         if req.path is None:

@@ -50,6 +50,7 @@ from directory_client.types import (
     ReservationConflict,
 )
 from gateway import metrics
+from gateway.deadlines import Deadline, Deadlines
 from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
@@ -96,7 +97,7 @@ class RouteResult:
     request: RoutingRequest | None = None  # what the policy was asked (None: rejected before tokenizing)
     ttft_s: float = 0.0  # the policy's estimate of the time to first token on the chosen node
     service_s: float = 0.0  # ... and until the last token (for integrations that never see the end)
-    settle: asyncio.TimerHandle | None = None
+    settle: Deadline | None = None
     released: bool = False
 
 
@@ -152,6 +153,7 @@ class RoutingCore:
         self.profile = profile
         self.limits = limits
         self.keys = PrefixKeyCache()
+        self.deadlines = Deadlines()  # settles here, timed releases in ext_authz: batched timers
         self._tasks: set[asyncio.Task] = set()
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
@@ -413,9 +415,7 @@ class RoutingCore:
         conversation — that is what sent follow-up turns away from their cache. ext_proc never
         sees the first token, so the policy's own estimate stands in for it.
         """
-        result.settle = asyncio.get_running_loop().call_later(
-            result.ttft_s, lambda: self.run_detached(self._settle(result))
-        )
+        result.settle = self.deadlines.call_later(result.ttft_s, lambda: self.run_detached(self._settle(result)))
 
     async def _settle(self, result: RouteResult) -> None:
         if result.reservation is None or result.released:

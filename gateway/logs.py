@@ -3,8 +3,9 @@
 Every line written while a request is being handled carries that request's ID — Envoy's
 ``x-request-id``, which Envoy also logs and forwards to the node — so one ID finds a request in
 Envoy's access log, kvgate's log and ``/debug/decisions``. The ID travels in a ``ContextVar``:
-each ext_proc stream and each ext_authz check runs in its own asyncio task, so setting it there
-scopes it to that request with no bookkeeping, and a record pays for it only when it is emitted.
+each ext_proc stream runs in its own asyncio task, so setting it there scopes it to that request;
+ext_authz answers a connection's checks one after another in one task and sets and resets it
+around each. A record pays for it only when it is emitted.
 """
 
 from __future__ import annotations
