@@ -40,17 +40,27 @@ local function held_prefix(blocks, keys, n)
   return held, worst
 end
 
--- drop reservations whose deadline passed (a gateway replica died mid-request) and return the
--- node's load counters. Members are "token|prefill_tokens".
+-- retire what fell due in resv and return the node's load counters: a "p:token|prefill" member
+-- due means that request's first token is due (its prefill stops counting); a "token|prefill"
+-- member due means the reservation ended (its caller never sees the response end, or its
+-- gateway replica died mid-request) and, if it still counted prefill, that too.
 local function current_load(load, resv, now)
-  local expired = redis.call('ZRANGE', resv, '-inf', now, 'BYSCORE')
-  if #expired > 0 then
-    local tokens = 0
-    for i = 1, #expired do
-      tokens = tokens + (tonumber(string.match(expired[i], '|(%d+)$')) or 0)
-    end
+  local due = redis.call('ZRANGE', resv, '-inf', now, 'BYSCORE')
+  if #due > 0 then
     redis.call('ZREMRANGEBYSCORE', resv, '-inf', now)
-    redis.call('HINCRBY', load, 'r', -#expired)
+    local ended, tokens = 0, 0
+    for i = 1, #due do
+      local m = due[i]
+      local n = tonumber(string.match(m, '|(%d+)$')) or 0
+      if string.sub(m, 1, 2) == 'p:' then
+        tokens = tokens + n
+      else
+        ended = ended + 1
+        -- prefill settles no later than its reservation ends, but never count it twice
+        if redis.call('ZREM', resv, 'p:' .. m) == 1 then tokens = tokens + n end
+      end
+    end
+    if ended > 0 then redis.call('HINCRBY', load, 'r', 0 - ended) end
     -- "0 - x", not "-x": Lua's -0 reaches Redis as "-0", which HINCRBY rejects
     if tokens > 0 then redis.call('HINCRBY', load, 't', 0 - tokens) end
   end

@@ -9,10 +9,10 @@ two could differ (clock source) the difference is noted.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from directory_client.sampling import KeySampler, check_keys
 from directory_client.types import (
@@ -32,6 +32,7 @@ from directory_client.validate import (
     check_prefill,
     check_reservation,
     check_tier,
+    reservation_times,
 )
 from tokenizer.keys import BlockKey
 
@@ -55,24 +56,57 @@ class _Node:
 
 
 class _Load:
-    """Reservations on one node. Insertion order = deadline order (max request time is fixed)."""
+    """Reservations on one node, each ending at its own time and settling its prefill at another.
 
-    __slots__ = ("reservations", "inflight", "prefill")
+    ``reservations`` maps a token to (end time, prefill still counted: 0 once its first token is
+    due); tuples, not objects, so thousands held do not burden the garbage collector. Two heaps
+    of (time, token) with lazy deletion: a released reservation's entries stay until their time
+    or until garbage outnumbers the live entries, when the heaps are rebuilt.
+    """
+
+    __slots__ = ("reservations", "ends", "settles", "inflight", "prefill")
 
     def __init__(self) -> None:
-        self.reservations: dict[str, tuple[float, int]] = {}  # token -> (deadline, prefill)
+        self.reservations: dict[str, tuple[float, int]] = {}
+        self.ends: list[tuple[float, str]] = []
+        self.settles: list[tuple[float, str]] = []
         self.inflight = 0
         self.prefill = 0
 
+    def add(self, token: str, prefill: int, settle_at: float, end_at: float) -> None:
+        self.reservations[token] = (end_at, prefill)
+        heapq.heappush(self.ends, (end_at, token))
+        if prefill:
+            heapq.heappush(self.settles, (settle_at, token))
+        self.inflight += 1
+        self.prefill += prefill
+
+    def remove(self, token: str) -> bool:
+        entry = self.reservations.pop(token, None)
+        if entry is None:
+            return False
+        self.inflight -= 1
+        self.prefill -= entry[1]
+        if len(self.ends) > 2 * len(self.reservations) + 64:  # mostly released entries: rebuild
+            self.ends = [(end_at, t) for t, (end_at, _) in self.reservations.items()]
+            heapq.heapify(self.ends)
+            self.settles = [e for e in self.settles if e[1] in self.reservations]
+            heapq.heapify(self.settles)
+        return True
+
     def expire(self, now: float) -> None:
-        res = self.reservations
-        while res:
-            token, (deadline, prefill) = next(iter(res.items()))
-            if deadline > now:
-                return
-            del res[token]
-            self.inflight -= 1
-            self.prefill -= prefill
+        settles, ends, res = self.settles, self.ends, self.reservations
+        while settles and settles[0][0] <= now:
+            token = heapq.heappop(settles)[1]
+            entry = res.get(token)
+            if entry is not None and entry[1]:
+                self.prefill -= entry[1]
+                res[token] = (entry[0], 0)
+        while ends and ends[0][0] <= now:
+            entry = res.pop(heapq.heappop(ends)[1], None)  # tokens are unique: this is its end
+            if entry is not None:
+                self.inflight -= 1
+                self.prefill -= entry[1]
 
     def view(self) -> NodeLoad:
         return NodeLoad(self.inflight, self.prefill) if self.inflight else _IDLE
@@ -228,10 +262,17 @@ class InProcessDirectory:
     # -- load ----------------------------------------------------------------------------------
 
     async def reserve(
-        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
+        self,
+        node_id: str,
+        prefill_tokens: int,
+        *,
+        if_inflight_at_most: int | None = None,
+        first_token_s: float | None = None,
+        hold_s: float | None = None,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
+        settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         now = self._clock()
         load = self._loads.get(node_id)
         if load is None:
@@ -240,30 +281,14 @@ class InProcessDirectory:
         if if_inflight_at_most is not None and load.inflight > if_inflight_at_most:
             raise ReservationConflict(node_id, if_inflight_at_most)
         token = f"m{next(self._tokens)}|{prefill_tokens}"
-        load.reservations[token] = (now + self.max_request_s, prefill_tokens)
-        load.inflight += 1
-        load.prefill += prefill_tokens
+        load.add(token, prefill_tokens, now + settle_s, now + end_s)
         return Reservation(node_id, 1, prefill_tokens, token)
 
     async def release(self, reservation: Reservation) -> None:
         check_reservation(reservation)
         load = self._loads.get(reservation.node_id)
-        if load is None:
-            return
-        entry = load.reservations.pop(reservation.token, None)
-        if entry is not None:
-            load.inflight -= 1
-            load.prefill -= entry[1]
-
-    async def settle(self, reservation: Reservation) -> Reservation:
-        check_reservation(reservation)
-        load = self._loads.get(reservation.node_id)
-        entry = None if load is None else load.reservations.get(reservation.token)
-        if load is not None and entry is not None:
-            deadline, prefill = entry
-            load.reservations[reservation.token] = (deadline, 0)
-            load.prefill -= prefill
-        return replace(reservation, prefill_tokens=0)
+        if load is not None:
+            load.remove(reservation.token)
 
     async def loads(self) -> dict[str, NodeLoad]:
         now = self._clock()

@@ -8,7 +8,8 @@ live in one slot and one script can touch them together):
   P:{node}:meta       hash  info -> NodeInfo json, until -> heartbeat deadline (ms, server clock)
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
-  P:{node}:resv       zset  "token|prefill" -> reservation deadline (ms)
+  P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms), and, while its
+                            prefill counts, "p:token|prefill" -> when its first token is due
 
 Deadlines use the server's clock (``TIME`` inside scripts), so gateway replicas with skewed
 clocks still agree on who is alive. Every I/O call runs under ``asyncio.timeout(op_timeout_s)``
@@ -51,6 +52,7 @@ from directory_client.validate import (
     check_prefill,
     check_reservation,
     check_tier,
+    reservation_times,
 )
 from tokenizer.keys import BlockKey
 
@@ -115,7 +117,6 @@ class RedisDirectoryBase(ABC):
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._retention_ms = int(dead_node_retention_s * 1000)
         self._keep_ms = self._ttl_ms + self._retention_ms
-        self._max_request_ms = max(1, int(max_request_s * 1000))
         self._scripts = scripts()
         self._node_keys: dict[str, NodeKeys] = {}
         self._infos: dict[bytes, NodeInfo] = {}  # raw json -> parsed: lookups never re-parse
@@ -329,16 +330,24 @@ class RedisDirectoryBase(ABC):
     # -- load ----------------------------------------------------------------------------------
 
     async def reserve(
-        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
+        self,
+        node_id: str,
+        prefill_tokens: int,
+        *,
+        if_inflight_at_most: int | None = None,
+        first_token_s: float | None = None,
+        hold_s: float | None = None,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
+        settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         await self._check_config()
         member = f"{self._client_id}-{next(self._tokens)}|{prefill_tokens}"
         nk = self._keys(node_id)
         limit = "" if if_inflight_at_most is None else int(if_inflight_at_most)
+        times = (max(1, int(end_s * 1000)), int(settle_s * 1000))
         async with self._io("reserve"):
-            taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, self._max_request_ms, limit))
+            taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit))
         if taken == -1:
             raise ReservationConflict(node_id, if_inflight_at_most)
         return Reservation(node_id, 1, prefill_tokens, member)
@@ -350,17 +359,6 @@ class RedisDirectoryBase(ABC):
         nk = self._keys(reservation.node_id)
         async with self._io("release"):
             await self._eval("release", (nk.load, nk.resv), (reservation.token,))
-
-    async def settle(self, reservation: Reservation) -> Reservation:
-        check_reservation(reservation)
-        if not reservation.token or reservation.prefill_tokens == 0:
-            return reservation
-        # the member carries the amount ("token|prefill"): the settled one says 0
-        settled = dataclasses.replace(reservation, prefill_tokens=0, token=reservation.token.rsplit("|", 1)[0] + "|0")
-        nk = self._keys(reservation.node_id)
-        async with self._io("settle"):
-            await self._eval("settle", (nk.load, nk.resv), (reservation.token, settled.token))
-        return settled
 
     async def loads(self) -> dict[str, NodeLoad]:
         await self._check_config()

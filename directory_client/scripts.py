@@ -24,7 +24,6 @@ SCRIPT_NAMES = (
     "node_info",
     "reserve",
     "release",
-    "settle",
 )
 
 

@@ -129,13 +129,24 @@ class Directory(Protocol):
     async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView: ...
 
     async def reserve(
-        self, node_id: str, prefill_tokens: int, *, if_inflight_at_most: int | None = None
-    ) -> Reservation: ...
-    async def release(self, reservation: Reservation) -> None: ...
-    async def settle(self, reservation: Reservation) -> Reservation:
-        """The request's prefill is done: it stays in flight, its prompt no longer counts as queued
-        prefill. Atomic; returns the reservation to release later (a no-op once it expired)."""
+        self,
+        node_id: str,
+        prefill_tokens: int,
+        *,
+        if_inflight_at_most: int | None = None,
+        first_token_s: float | None = None,
+        hold_s: float | None = None,
+    ) -> Reservation:
+        """Count one request in flight on the node and ``prefill_tokens`` as its queued prefill.
+
+        ``first_token_s``: the prefill stops counting that long from now (the request stays in
+        flight), with no further call. ``hold_s``: the reservation ends by itself that long from
+        now (default and ceiling: the backend's ``max_request_s``), for callers that never see
+        the response end; ``release`` ends it earlier. ``if_inflight_at_most``: compare-and-reserve,
+        raising ``ReservationConflict`` when the node has more in flight now.
+        """
         ...
+    async def release(self, reservation: Reservation) -> None: ...
     async def loads(self) -> dict[str, NodeLoad]: ...
 
     async def aclose(self) -> None: ...

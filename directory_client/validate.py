@@ -41,6 +41,19 @@ def check_prefill(prefill_tokens: int) -> int:
     return prefill_tokens
 
 
+def reservation_times(first_token_s: float | None, hold_s: float | None, max_request_s: float) -> tuple[float, float]:
+    """(seconds until the prefill stops counting, seconds until the reservation ends by itself).
+
+    The hold is capped at ``max_request_s`` and the prefill at the hold; None means "as long as
+    allowed". Negative or non-finite times are a caller's bug.
+    """
+    for name, value in (("first_token_s", first_token_s), ("hold_s", hold_s)):
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    hold = max_request_s if hold_s is None else min(hold_s, max_request_s)
+    return (hold if first_token_s is None else min(first_token_s, hold)), hold
+
+
 def check_reservation(reservation: Reservation) -> Reservation:
     if not isinstance(reservation, Reservation):
         raise ValueError(f"expected Reservation, got {type(reservation).__name__}")

@@ -18,11 +18,13 @@ answer:
   never with a 4xx.
 
 One difference from ext_proc: ext_authz has no response phase, so the end of the response is
-never seen. The node's load reservation is therefore released after the decision's estimate of
-the whole service (``RouteResult.service_s``: queue + transfer + prefill + the answer's token
-budget at the node's batch size), while the core settles its prefill part at the estimated first
-token exactly as for ext_proc. ext_proc's accounting is exact; the README says which to choose.
-A check whose connection closed before its answer (Envoy gave up on it) releases at once.
+never seen. The node's load is therefore held for the decision's estimate of the whole service
+(``RouteResult.service_s``: queue + transfer + prefill + the answer's token budget at the node's
+batch size) and the directory drops it by itself then (``route(sees_response_end=False)``): no
+release call, and no phantom load if this replica dies. Its prefill part stops counting at the
+estimated first token exactly as for ext_proc. ext_proc's accounting is exact; the README says
+which to choose. A check whose connection closed before its answer (Envoy gave up on it) gives
+its load back at once.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ from urllib.parse import unquote
 import httptools
 
 from gateway.core import RouteResult, RoutingCore, error_body
-from gateway.deadlines import Deadline
 from gateway.envoy_config import INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 
@@ -79,11 +80,10 @@ def _decision_path(url: bytes) -> str | None:
 
 
 class ExtAuthzService:
-    """The ext_authz check server: ``start`` listens, ``aclose`` stops and gives back all load."""
+    """The ext_authz check server: ``start`` listens, ``aclose`` stops."""
 
     def __init__(self, core: RoutingCore) -> None:
         self.core = core
-        self._pending: dict[Deadline, RouteResult] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
 
@@ -99,21 +99,14 @@ class ExtAuthzService:
         # Reset after: the next check on this connection runs in the same task.
         token = REQUEST_ID.set(request_id)
         try:
-            return await self.core.route(path, body, request_id, traceparent)
+            return await self.core.route(path, body, request_id, traceparent, sees_response_end=False)
         finally:
             REQUEST_ID.reset(token)
 
-    def _release_later(self, result: RouteResult) -> None:
-        def fire() -> None:
-            self._pending.pop(deadline, None)
-            self.core.run_detached(self.core.release(result))
-
-        deadline = self.core.deadlines.call_later(result.service_s, fire)
-        self._pending[deadline] = result
-
     async def aclose(self) -> None:
-        """Stop listening, close connections (checks in progress finish and release at once), then
-        give back every reservation still held, so a stopping replica leaves no phantom load."""
+        """Stop listening and close connections; checks in progress finish and give their load back
+        at once. Routed requests keep theirs: they are still running on their nodes, and the
+        directory drops it at their estimated end."""
         if self._server is not None:
             self._server.close()
             connections = list(self._connections)
@@ -124,10 +117,6 @@ class ExtAuthzService:
                 await asyncio.wait(workers, timeout=CLOSE_GRACE_S)
             await self._server.wait_closed()
             self._server = None
-        pending, self._pending = self._pending, {}
-        for deadline in pending:
-            deadline.cancel()
-        await asyncio.gather(*(self.core.release(r) for r in pending.values()))
 
 
 @dataclass(slots=True)
@@ -339,7 +328,6 @@ class _Connection(asyncio.Protocol):
                 await self.service.core.release(result)
                 return b""
             headers = "".join(f"{name}: {value}\r\n" for name, value in result.headers).encode("latin-1")
-            self.service._release_later(result)
             return _http_response(200, headers + req.connection)
         except Exception:
             log.exception("ext_authz check failed (request_id=%s): answering 500, Envoy passes it on", req.request_id)

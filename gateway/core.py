@@ -11,8 +11,10 @@
 
 How a request's load is accounted: the chosen node is reserved with compare-and-reserve against
 the load the decision saw (another replica taking it meanwhile means one more decision, never a
-herd); its prompt stops counting as queued prefill at the policy's estimate of its first token
-(``Directory.settle``); the request leaves the node's load when its response ends (``release``).
+herd); the reservation itself says when its prompt stops counting as queued prefill (the
+policy's estimate of the first token), so that needs no further call. The request leaves the
+node's load when its response ends (``release``) or, for an integration that never sees the end
+(ext_authz), at the estimate of its service time, when the directory drops it by itself.
 
 A long prompt whose text was never tokenized here is first routed on its head: when no node
 holds even its first blocks, the rest cannot change the decision (``_route_by_head``).
@@ -34,8 +36,8 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import Awaitable, Coroutine
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -50,7 +52,6 @@ from directory_client.types import (
     ReservationConflict,
 )
 from gateway import metrics
-from gateway.deadlines import Deadline, Deadlines
 from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
@@ -63,9 +64,12 @@ if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
 
 log = logging.getLogger("kvgate.core")
 T = TypeVar("T")
+Hold = Literal["until_release", "estimate"]
+"""How long a routed request's load is held: until ``release`` (the response end is seen), or
+for the decision's estimate of its service time (it never is)."""
 
 DEFAULT_ANSWER_TOKENS = 256  # answer length assumed when a request sets no max_tokens
-MIN_HOLD_S = 0.005  # floor of every time estimate: a reservation is never settled instantly
+MIN_HOLD_S = 0.005  # floor of every time estimate: a prefill never stops counting at once
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -97,7 +101,7 @@ class RouteResult:
     request: RoutingRequest | None = None  # what the policy was asked (None: rejected before tokenizing)
     ttft_s: float = 0.0  # the policy's estimate of the time to first token on the chosen node
     service_s: float = 0.0  # ... and until the last token (for integrations that never see the end)
-    settle: Deadline | None = None
+    sees_end: bool = True  # the caller releases it at the response end (else: held for service_s)
     released: bool = False
 
 
@@ -125,7 +129,8 @@ def _account(result: RouteResult, policy: str) -> None:
         metrics.decisions(decision.policy, decision.outcome).inc()
         metrics.PROMPT_TOKENS.inc(result.request.prompt_tokens)
         metrics.CACHED_TOKENS.inc(decision.expected_cached_tokens)
-        metrics.INFLIGHT.inc()
+        if result.sees_end:
+            metrics.INFLIGHT.inc()
     elif result.kind == "fail_open":
         metrics.FAIL_OPEN.labels(result.reason).inc()
         metrics.decisions(policy, "fail_open").inc()
@@ -153,16 +158,23 @@ class RoutingCore:
         self.profile = profile
         self.limits = limits
         self.keys = PrefixKeyCache()
-        self.deadlines = Deadlines()  # settles here, timed releases in ext_authz: batched timers
         self._tasks: set[asyncio.Task] = set()
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
 
-    async def route(self, path: str, body: bytes, request_id: str = "", traceparent: str = "") -> RouteResult:
-        """Decide and reserve the node's load; ``traceparent`` (W3C) parents the decision's span."""
+    async def route(
+        self, path: str, body: bytes, request_id: str = "", traceparent: str = "", *, sees_response_end: bool = True
+    ) -> RouteResult:
+        """Decide and reserve the node's load; ``traceparent`` (W3C) parents the decision's span.
+
+        ``sees_response_end``: the caller calls ``release`` when the response ends (ext_proc).
+        False (ext_authz): the load is held for the decision's estimate of the service time and
+        the directory ends it by itself (``release`` still gives it back earlier); such requests
+        are not in ``kvgate_inflight_requests``, whose end this replica never learns.
+        """
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
-            result = await self._route(path, body, request_id, reserve=True)
+            result = await self._route(path, body, request_id, hold="until_release" if sees_response_end else "estimate")
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
@@ -184,9 +196,9 @@ class RoutingCore:
         The directory is really asked (the answer must be today's), so its latency and errors
         still count in ``kvgate_directory_*``; the decision itself is not counted, logged or traced.
         """
-        return await self._route(path, body, "", reserve=False)
+        return await self._route(path, body, "", hold=None)
 
-    async def _route(self, path: str, body: bytes, request_id: str, *, reserve: bool) -> RouteResult:
+    async def _route(self, path: str, body: bytes, request_id: str, *, hold: Hold | None) -> RouteResult:
         lim = self.limits
         t0 = time.perf_counter()
         if len(body) > lim.max_body_bytes:
@@ -207,7 +219,7 @@ class RoutingCore:
             prepared = self.tokenizer.prepare(path, req, max_text_bytes=lim.max_prompt_bytes)
             head = self.tokenizer.head(prepared, fresh_chars=lim.head_chars) if lim.head_chars > 0 else None
             if head is not None:
-                early = await self._route_by_head(prepared, req, head, request_id, reserve, t0, t1)
+                early = await self._route_by_head(prepared, req, head, request_id, hold, t0, t1)
                 if early is not None:
                     return early
             prompt = await self.tokenizer.complete_async(prepared)
@@ -236,10 +248,10 @@ class RoutingCore:
         )
         t2 = time.perf_counter()
         decided = await self._decide(request, keys)
-        return await self._answer(req, request, keys, decided, reserve, (t0, t1, t2))
+        return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
 
     async def _route_by_head(
-        self, prepared: PreparedPrompt, req: dict, head: PromptHead, request_id: str, reserve: bool, t0: float, t1: float
+        self, prepared: PreparedPrompt, req: dict, head: PromptHead, request_id: str, hold: Hold | None, t0: float, t1: float
     ) -> RouteResult | None:
         """Decide on a long fresh prompt's first blocks alone, when that cannot change the answer.
 
@@ -272,7 +284,7 @@ class RoutingCore:
         if view is not None:
             metrics.HEAD_DECISIONS.inc()
         self._tokenize_later(prepared)
-        return await self._answer(req, request, keys, decided, reserve, (t0, t1, t2))
+        return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
 
     def _tokenize_later(self, prepared: PreparedPrompt) -> None:
         """Fill the token cache with the whole prompt off the request's path (its next turn needs it)."""
@@ -283,28 +295,9 @@ class RoutingCore:
             except InvalidPrompt:
                 pass  # e.g. a lone surrogate in the rest of the text: nothing to cache
 
-        self._keep(asyncio.get_running_loop().create_task(fill()))
-
-    def _keep(self, task: asyncio.Task) -> None:
-        """Hold a background task until it ends (the loop keeps only weak references)."""
-        self._tasks.add(task)
+        task = asyncio.get_running_loop().create_task(fill())
+        self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
-
-    def run_detached(self, operation: Coroutine[Any, Any, None]) -> None:
-        """Run a directory operation nobody waits for (settle, a timed release).
-
-        An in-process directory's operations end at their first step (``Directory.in_process``),
-        so they run here and now, sparing a task (~10 µs a request); others get a task.
-        """
-        if not self.directory.in_process:
-            self._keep(asyncio.get_running_loop().create_task(operation))
-            return
-        try:
-            operation.send(None)
-        except StopIteration:
-            return
-        operation.close()
-        raise RuntimeError("an in-process directory operation waited on something")
 
     async def _answer(
         self,
@@ -312,10 +305,10 @@ class RoutingCore:
         request: RoutingRequest,
         keys: np.ndarray,
         decided: _Decided,
-        reserve: bool,
+        hold: Hold | None,
         marks: tuple[float, float, float],
     ) -> RouteResult:
-        """Reserve the chosen node's load and build the answer from one decision round."""
+        """Reserve the chosen node's load (``hold`` None: do not) and build the answer."""
         t0, t1, t2 = marks
         n_tokens = request.prompt_tokens
         t3, t4 = decided.looked_up, time.perf_counter()
@@ -331,9 +324,9 @@ class RoutingCore:
         assert decision is not None and decision.node is not None
 
         reservation = None
-        if reserve:
+        if hold is not None:
             try:
-                reservation = await self._reserve(decided, n_tokens)
+                reservation = await self._reserve(decided, req, n_tokens, hold)
             except ReservationConflict:
                 # Another replica took the node this decision saw idle: decide again on a fresh
                 # view (its load now counted) and take that node whatever happens next.
@@ -342,7 +335,7 @@ class RoutingCore:
                 if again.failed is None:
                     decided, decision = again, again.decision
                     assert decision is not None and decision.node is not None
-                    reservation = await self._reserve(decided, n_tokens, conditional=False)
+                    reservation = await self._reserve(decided, req, n_tokens, hold, conditional=False)
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
@@ -352,14 +345,12 @@ class RoutingCore:
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
-        ttft_s = _estimated_ttft_s(decision)
+        ttft_s, service_s = self._estimates(decided, req, n_tokens)
         result = RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
-            request=request, ttft_s=ttft_s,
-            service_s=ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision)),
+            request=request, ttft_s=ttft_s, service_s=service_s,
         )
-        if reservation is not None and reservation.prefill_tokens > 0:
-            self._settle_at_first_token(result)
+        result.sees_end = hold != "estimate"
         return result
 
     async def _decide(self, request: RoutingRequest, keys: np.ndarray) -> _Decided:
@@ -380,18 +371,35 @@ class RoutingCore:
             return _Decided(view, decision, done, RouteResult("fail_open", decision=decision, reason="no_live_node"))
         return _Decided(view, decision, done, None)
 
-    async def _reserve(self, decided: _Decided, n_tokens: int, *, conditional: bool = True) -> Reservation:
-        """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup."""
+    async def _reserve(
+        self, decided: _Decided, req: dict, n_tokens: int, hold: Hold, *, conditional: bool = True
+    ) -> Reservation:
+        """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup.
+
+        Its prompt stops counting as queued prefill at the policy's estimate of the first token:
+        the node is still busy decoding it, but a prompt already prefilled must not make the owner
+        look queued to the next turn of the same conversation (that is what sent follow-up turns
+        away from their cache). No integration sees the first token, so the estimate stands in.
+        """
         decision = decided.decision
         assert decision is not None and decision.node is not None
-        seen = decided.chosen_load(decision)
+        ttft_s, service_s = self._estimates(decided, req, n_tokens)
         return await self._bounded(
             self.directory.reserve(
                 decision.node.node_id,
                 n_tokens - decision.expected_cached_tokens,
-                if_inflight_at_most=seen.inflight if conditional else None,
+                if_inflight_at_most=decided.chosen_load(decision).inflight if conditional else None,
+                first_token_s=ttft_s,
+                hold_s=service_s if hold == "estimate" else None,
             )
         )
+
+    def _estimates(self, decided: _Decided, req: dict, n_tokens: int) -> tuple[float, float]:
+        """The policy's estimates for the chosen node: seconds to the first token and to the last."""
+        decision = decided.decision
+        assert decision is not None
+        ttft_s = _estimated_ttft_s(decision)
+        return ttft_s, ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision))
 
     async def _bounded(self, operation: Awaitable[T]) -> T:
         """A directory call under the lookup timeout; an in-process directory needs none."""
@@ -407,37 +415,14 @@ class RoutingCore:
             budget = DEFAULT_ANSWER_TOKENS
         return budget * self.profile.decode_step_seconds(load.inflight + 1, n_tokens)
 
-    def _settle_at_first_token(self, result: RouteResult) -> None:
-        """Stop counting the request's prompt as queued prefill once its first token is due.
-
-        The node is still busy decoding it (it stays in flight until the response ends), but a
-        prompt already prefilled must not make the owner look queued to the next turn of the same
-        conversation — that is what sent follow-up turns away from their cache. ext_proc never
-        sees the first token, so the policy's own estimate stands in for it.
-        """
-        result.settle = self.deadlines.call_later(result.ttft_s, lambda: self.run_detached(self._settle(result)))
-
-    async def _settle(self, result: RouteResult) -> None:
-        if result.reservation is None or result.released:
-            return
-        try:
-            settled = await self.directory.settle(result.reservation)
-        except DirectoryUnavailable:
-            return  # keep counting the prefill: the reservation still expires in the end
-        result.reservation = settled
-        if result.released:
-            # The response ended while settling: its release gave back the reservation as it was
-            # before (on Redis the settled one has a new member), so give back this one too.
-            await self._give_back(settled)
-
     async def release(self, result: RouteResult) -> None:
-        """Give back the load a routed request took; called when its response has ended."""
+        """Give back the load a routed request took; called when its response has ended (or,
+        held for an estimate, when nobody will use the route: the client went away)."""
         if result.kind != "routed" or result.released:
             return
         result.released = True
-        metrics.INFLIGHT.dec()
-        if result.settle is not None:
-            result.settle.cancel()
+        if result.sees_end:
+            metrics.INFLIGHT.dec()
         if result.reservation is not None:
             await self._give_back(result.reservation)
 

@@ -140,7 +140,12 @@ RESERVATION_CONFLICTS = Counter(
     "Decisions taken again because another replica loaded the chosen node between lookup and reserve",
     registry=REGISTRY,
 )
-INFLIGHT = Gauge("kvgate_inflight_requests", "Requests routed by this replica and not yet finished", registry=REGISTRY)
+INFLIGHT = Gauge(
+    "kvgate_inflight_requests",
+    "Requests routed by this replica over ext_proc and not yet finished (ext_authz never sees a "
+    "response end: its load shows in kvgate_node_inflight_requests until the estimated end)",
+    registry=REGISTRY,
+)
 EXT_PROC_STREAMS = Counter(
     "kvgate_ext_proc_streams", "ext_proc streams by how they ended (ok, error, cancelled)", ["end"], registry=REGISTRY
 )

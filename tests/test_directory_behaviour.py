@@ -310,18 +310,46 @@ async def test_lookup_reports_how_many_blocks_each_node_holds_in_all(backend: Ba
     assert {n.node.node_id: (n.cached_blocks, n.total_blocks) for n in view.nodes} == {"a": (0, 40), "b": (0, 5)}
 
 
-async def test_settle_stops_counting_prefill_but_keeps_the_request_in_flight(backend: Backend) -> None:
-    one, two = backend.make(), backend.make(op_timeout_s=2.0)
+async def test_a_reservation_stops_counting_its_prefill_at_its_first_token_by_itself(backend: Backend) -> None:
+    """No call settles it: every replica sees the prompt queued until the first token is due,
+    then the request in flight without it, until it is released."""
+    one, two = backend.make(op_timeout_s=2.0), backend.make(op_timeout_s=2.0)
     await one.register_node(node("a"))
-    r = await one.reserve("a", 700)
-    settled = await one.settle(r)
-    assert settled.prefill_tokens == 0
-    assert await two.loads() == {"a": NodeLoad(1, 0)}  # every replica sees it at once
-    assert await one.settle(settled) == settled  # settling twice changes nothing
-    await one.release(settled)
+    r = await one.reserve("a", 700, first_token_s=0.3)
+    plain = await one.reserve("a", 50)  # no estimate: its prefill counts until it is released
+    assert await two.loads() == {"a": NodeLoad(2, 750)}
+    await backend.sleep(0.5)
+    assert await two.loads() == {"a": NodeLoad(2, 50)}
+    await one.release(r)  # its prefill is already gone: only the request leaves
+    assert await two.loads() == {"a": NodeLoad(1, 50)}
+    await one.release(r)  # twice changes nothing
+    await one.release(plain)
     assert await two.loads() == {"a": NodeLoad()}
-    late = await one.settle(r)  # the original, after its release: nothing left to settle
-    assert late.prefill_tokens == 0 and await two.loads() == {"a": NodeLoad()}
+
+
+async def test_a_reservation_held_for_an_estimate_ends_by_itself(backend: Backend) -> None:
+    """What ext_authz relies on: no release call, yet the load leaves at the estimated end."""
+    one, two = backend.make(op_timeout_s=2.0), backend.make(op_timeout_s=2.0)
+    await one.register_node(node("a"))
+    await one.reserve("a", 400, first_token_s=0.3, hold_s=0.6)
+    await one.reserve("a", 100, first_token_s=5.0, hold_s=0.6)  # the prefill cannot outlast the hold
+    kept = await one.reserve("a", 7)
+    assert await two.loads() == {"a": NodeLoad(3, 507)}
+    await backend.sleep(0.45)
+    assert await two.loads() == {"a": NodeLoad(3, 107)}
+    await backend.sleep(0.45)
+    assert await two.loads() == {"a": NodeLoad(1, 7)}
+    await one.release(kept)
+    assert await two.loads() == {"a": NodeLoad()}
+
+
+async def test_reservation_times_are_validated(backend: Backend) -> None:
+    d = backend.make()
+    await d.register_node(node("a"))
+    for bad in ({"first_token_s": -1.0}, {"hold_s": float("nan")}, {"hold_s": float("inf")}):
+        with pytest.raises(ValueError):
+            await d.reserve("a", 10, **bad)
+    assert await d.loads() == {"a": NodeLoad()}  # a refused reservation took nothing
 
 
 async def test_compare_and_reserve_lets_only_one_of_two_racing_clients_take_an_idle_node(
