@@ -221,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     if results["routed_requests"] < 2 * args.requests:
         print(f"warning: kvgate routed only {results['routed_requests']:.0f} requests; the rest failed open", file=sys.stderr)
     table = Table(title="kvgate overhead (latency at concurrency 1; req/s at --concurrency)")
-    for col in ("target", "p50 ms", "p99 ms", "req/s", "added p50 vs envoy", "kvgate CPU ms/req", "Envoy CPU ms/req"):
+    table.add_column("target", no_wrap=True, min_width=len("kvgate_ext_authz"))
+    for col in ("p50 ms", "p99 ms", "req/s", "added p50 vs envoy", "kvgate CPU ms/req", "Envoy CPU ms/req"):
         table.add_column(col, justify="right")
     base = results["envoy"]["p50_ms"]
     for name in ("direct", "envoy", "kvgate_ext_proc", "kvgate_ext_authz"):
