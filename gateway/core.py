@@ -174,7 +174,8 @@ class RoutingCore:
         """
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
-            result = await self._route(path, body, request_id, hold="until_release" if sees_response_end else "estimate")
+            hold: Hold = "until_release" if sees_response_end else "estimate"
+            result = await self._route(path, body, request_id, hold=hold)
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
@@ -251,7 +252,14 @@ class RoutingCore:
         return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
 
     async def _route_by_head(
-        self, prepared: PreparedPrompt, req: dict, head: PromptHead, request_id: str, hold: Hold | None, t0: float, t1: float
+        self,
+        prepared: PreparedPrompt,
+        req: dict,
+        head: PromptHead,
+        request_id: str,
+        hold: Hold | None,
+        t0: float,
+        t1: float,
     ) -> RouteResult | None:
         """Decide on a long fresh prompt's first blocks alone, when that cannot change the answer.
 
@@ -346,12 +354,10 @@ class RoutingCore:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
         ttft_s, service_s = self._estimates(decided, req, n_tokens)
-        result = RouteResult(
+        return RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
-            request=request, ttft_s=ttft_s, service_s=service_s,
+            request=request, ttft_s=ttft_s, service_s=service_s, sees_end=hold != "estimate",
         )
-        result.sees_end = hold != "estimate"
-        return result
 
     async def _decide(self, request: RoutingRequest, keys: np.ndarray) -> _Decided:
         """Directory lookup under the configured timeout, then the policy (pure, no I/O)."""

@@ -5,8 +5,9 @@ flowing on plain balancing because kvgate or its directory is unhealthy.
 
 Two kinds of metric live here. Counters and histograms the request path updates itself (cheap:
 label children the hot path uses are bound once, below, so a count is one lock and an add; the
-request path's histograms are ``LoopHistograms``, observed lock-free from the event loop). And state that already exists elsewhere — the tokenizer cache's counters, each node's load
-and cached blocks — which is read only when ``/metrics`` is scraped, by the collectors at the
+request path's histograms are ``LoopHistograms``, observed lock-free from the event loop). And
+state that already exists elsewhere — the tokenizer cache's counters, each node's load and cached
+blocks — which is read only when ``/metrics`` is scraped, by the collectors at the
 bottom: a request never pays for it.
 """
 
