@@ -77,6 +77,11 @@ class _LiteralMatcher:
         self._regex = re.compile(_trie_pattern(words)) if words else None
         firsts = sorted({w[0] for w in words})
         self._firsts = tuple(firsts) if len(firsts) <= _MAX_FIND_CHARS else None
+        # The characters that can follow each first one (None: a one-character word starts with
+        # it): a "<" of HTML or code is then passed over without a regex attempt (~0.4 µs each).
+        self._seconds: dict[str, frozenset[str] | None] = {
+            c: None if c in words else frozenset(w[1] for w in words if w[0] == c) for c in firsts
+        }
 
     def find(self, text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, str]]:
         """``(start, end, matched word)`` of every occurrence within ``text[start:end]``."""
@@ -91,9 +96,11 @@ class _LiteralMatcher:
         find = text.find
         candidates: list[int] = []
         for c in self._firsts:
+            seconds = self._seconds[c]
             i = find(c, start, end)
             while i >= 0:
-                candidates.append(i)
+                if seconds is None or (i + 1 < end and text[i + 1] in seconds):
+                    candidates.append(i)
                 i = find(c, i + 1, end)
         if len(self._firsts) > 1:
             candidates.sort()
