@@ -150,6 +150,26 @@ def test_cached_encoding_equals_whole_encoding(encoder: SegmentedEncoder, data: 
         assert encoder.encode(text, add_special_tokens=special).tolist() == whole  # warm
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_markup_dense_text_splits_exactly(encoder: SegmentedEncoder, data: st.DataObject) -> None:
+    """Code and markup put a first character of the added tokens ("<") everywhere: past a few
+    dozen the splitter finds candidates with a regex instead of a loop. Same result required."""
+    tok = encoder.tokenizer
+    markup = st.sampled_from(["<b>", "</b>", "<div>", "a < b", "<<", "<", "<|", "<｜", "｜", "\n"])
+    piece = st.one_of(markup, markup, st.sampled_from(_pieces(tok)))
+    text = data.draw(st.lists(piece, min_size=80, max_size=160).map("".join))
+    assert text.count("<") > 32  # the regex path runs
+    whole = tok.encode(text, add_special_tokens=False).ids
+    assert encoder.encode(text, add_special_tokens=False).tolist() == whole
+    # A missed cut would still encode exactly (the tokenizer finds the token inside the piece),
+    # so check the matches themselves: the same as one leftmost-longest regex scan finds.
+    for matcher in (encoder.splitter._raw_matcher, encoder.splitter._norm_matcher):
+        if matcher._regex is not None:
+            scan = [(m.start(), m.end(), m.group()) for m in matcher._regex.finditer(text)]
+            assert matcher.find(text) == scan
+
+
 def test_deepseek_splits_at_chat_markers_and_keeps_user_text_whole() -> None:
     enc = SegmentedEncoder(deepseek(), cache_bytes=1 << 20)
     tok = enc.tokenizer
