@@ -148,6 +148,7 @@ def test_cached_encoding_equals_whole_encoding(encoder: SegmentedEncoder, data: 
         whole = tok.encode(text, add_special_tokens=special).ids
         assert encoder.encode(text, add_special_tokens=special).tolist() == whole  # cold (or partly warm)
         assert encoder.encode(text, add_special_tokens=special).tolist() == whole  # warm
+    assert encoder.splitter.split(text) == reference_split(encoder.splitter, text)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -168,6 +169,67 @@ def test_markup_dense_text_splits_exactly(encoder: SegmentedEncoder, data: st.Da
         if matcher._regex is not None:
             scan = [(m.start(), m.end(), m.group()) for m in matcher._regex.finditer(text)]
             assert matcher.find(text) == scan
+    assert encoder.splitter.split(text) == reference_split(encoder.splitter, text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet="abc<", min_size=1, max_size=300),
+    fractions=st.lists(st.floats(0, 1), max_size=12),
+    words=st.sampled_from([["ab", "abc", "bc", "c<"], ["<a", "<ab", "b"], ["a", "ab", "<", "<<c"]]),
+)
+def test_matches_in_spans_equal_a_scan_of_each_span(text: str, fractions: list[float], words: list[str]) -> None:
+    """Candidates are found once for all spans, yet each span is matched on its own: a word may
+    not run past its span's end (into the raw token the gap stops at). With many first
+    characters the regex path runs too."""
+    from tokenizer.segments import _LiteralMatcher
+
+    bounds = sorted({round(f * len(text)) for f in fractions} | {0, len(text)})
+    spans = [(a, b) for a, b in zip(bounds, bounds[1:])][::2]  # every other one: gaps between tokens
+    matcher = _LiteralMatcher(words)
+    expected = [[(m.start(), m.end(), m.group()) for m in matcher._regex.finditer(text, a, b)] for a, b in spans]
+    assert matcher.find_in_spans(text, spans) == expected
+
+
+def reference_split(splitter, text: str) -> list[str | int]:
+    """The splitter's rule spelled out with plain regex scans: raw tokens over the whole text,
+    then normalized ones in each gap between kept raw tokens, each gap on its own."""
+    if not splitter.enabled:
+        return [text] if text else []
+
+    def scan(matcher, start: int, end: int) -> list[tuple[int, int, str]]:
+        if matcher._regex is None:
+            return []
+        return [(m.start(), m.end(), m.group()) for m in matcher._regex.finditer(text, start, end)]
+
+    cuts, gap_from = [], 0
+
+    def cut_gap(start: int, end: int) -> None:
+        if not splitter._cut_normalized:
+            return
+        for s, e, word in scan(splitter._norm_matcher, start, end):
+            tok = splitter._normalized[word]
+            if not ((splitter._skip_special and tok.special) or tok.flagged):
+                cuts.append((s, e, tok.id))
+
+    for s, e, word in scan(splitter._raw_matcher, 0, len(text)):
+        tok = splitter._raw[word]
+        if splitter._skip_special and tok.special:
+            continue
+        cut_gap(gap_from, s)
+        if not tok.flagged:
+            cuts.append((s, e, tok.id))
+        gap_from = e
+    cut_gap(gap_from, len(text))
+    pieces, pos = [], 0
+    for s, e, token_id in cuts:
+        if s > pos:
+            pieces.append(text[pos:s])
+        pieces.append(token_id)
+        pos = e
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
 
 
 def test_deepseek_splits_at_chat_markers_and_keeps_user_text_whole() -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,23 +91,37 @@ class _LiteralMatcher:
 
     def find(self, text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, str]]:
         """``(start, end, matched word)`` of every occurrence within ``text[start:end]``."""
+        return self.find_in_spans(text, [(start, len(text) if end is None else end)])[0]
+
+    def find_in_spans(self, text: str, spans: list[tuple[int, int]]) -> list[list[tuple[int, int, str]]]:
+        """``find`` in each of ``spans`` (ascending, not overlapping), each matched on its own.
+
+        The candidates are looked for once over all of them: a chat of 200 messages has ~100
+        spans between its raw tokens, and a search per span cost more than the matching.
+        """
         regex = self._regex
         if regex is None:
-            return []
-        if end is None:
-            end = len(text)
+            return [[] for _ in spans]
         if self._firsts is None:
-            return [(m.start(), m.end(), m.group()) for m in regex.finditer(text, start, end)]
+            return [[(m.start(), m.end(), m.group()) for m in regex.finditer(text, s, e)] for s, e in spans]
         match = regex.match
-        out: list[tuple[int, int, str]] = []
-        pos = start
-        for i in self._candidates(text, start, end):
-            if i < pos:
-                continue  # inside the previous match
-            m = match(text, i, end)
-            if m is not None:
-                pos = m.end()
-                out.append((i, pos, m.group()))
+        candidates = self._candidates(text, spans[0][0], spans[-1][1]) if spans else []
+        k = 0
+        out: list[list[tuple[int, int, str]]] = []
+        for start, end in spans:
+            k = bisect_left(candidates, start, k)
+            found: list[tuple[int, int, str]] = []
+            pos = start
+            while k < len(candidates) and candidates[k] < end:
+                i = candidates[k]
+                k += 1
+                if i < pos:
+                    continue  # inside the previous match
+                m = match(text, i, end)
+                if m is not None:
+                    pos = m.end()
+                    found.append((i, pos, m.group()))
+            out.append(found)
         return out
 
     def _candidates(self, text: str, start: int, end: int) -> list[int]:
@@ -191,21 +206,31 @@ class AddedTokenSplitter:
         """Pieces of ``text`` in order; never an empty string. Disabled: ``[text]``."""
         if not self.enabled:
             return [text] if text else []
-        cuts: list[tuple[int, int, int]] = []  # (start, end, token id)
+        kept: list[tuple[int, int, _Added]] = []  # raw tokens to cut at, and what lies between
+        gaps: list[tuple[int, int]] = []
         gaps_from = 0
-        raw_matches = self._raw_matcher.find(text)
         skip_special = self._skip_special
-        for start, end, word in raw_matches:
+        for start, end, word in self._raw_matcher.find(text):
             tok = self._raw[word]
             if skip_special and tok.special:
                 continue
-            if self._cut_normalized:
-                self._cut_normalized_in(text, gaps_from, start, cuts)
-            if not tok.flagged:
-                cuts.append((start, end, tok.id))
+            gaps.append((gaps_from, start))
+            kept.append((start, end, tok))
             gaps_from = end
-        if self._cut_normalized:
-            self._cut_normalized_in(text, gaps_from, len(text), cuts)
+        gaps.append((gaps_from, len(text)))
+        normalized = self._norm_matcher.find_in_spans(text, gaps) if self._cut_normalized else None
+
+        cuts: list[tuple[int, int, int]] = []  # (start, end, token id), in order
+        for k in range(len(gaps)):
+            if normalized is not None:
+                for s, e, word in normalized[k]:
+                    tok = self._normalized[word]
+                    if not ((skip_special and tok.special) or tok.flagged):
+                        cuts.append((s, e, tok.id))
+            if k < len(kept):
+                start, end, tok = kept[k]
+                if not tok.flagged:
+                    cuts.append((start, end, tok.id))
 
         pieces: list[str | int] = []
         pos = 0
@@ -217,15 +242,6 @@ class AddedTokenSplitter:
         if pos < len(text):
             pieces.append(text[pos:])
         return pieces
-
-    def _cut_normalized_in(self, text: str, start: int, end: int, cuts: list[tuple[int, int, int]]) -> None:
-        if start >= end:
-            return
-        for s, e, word in self._norm_matcher.find(text, start, end):
-            tok = self._normalized[word]
-            if (self._skip_special and tok.special) or tok.flagged:
-                continue
-            cuts.append((s, e, tok.id))
 
     def _self_check(self, tokenizer: Tokenizer) -> None:
         """Compare whole vs per-piece encodings on probes mixing added tokens, text and whitespace."""
