@@ -2,23 +2,40 @@
 
 A lookup is a single EVALSHA: the script reads the registry, and for each live node scans its
 blocks and load, so the answer for every node costs one round trip whatever the fleet size.
+
+The scripts, which are every call of the request path, go straight to redis-py connections
+kept idle here: through the client (pool, retries, instrumentation) an EVALSHA costs ~95 µs of
+CPU, on the connection ~50 (measured with PING). What the client gave them is kept: a
+connection interrupted mid-call (a timeout, an error) is never reused, and one that died idle
+(a restarted server) is replaced and the call made once more.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 
 from directory_client.redis_base import RedisDirectoryBase
+from directory_client.scripts import Script
+
+MAX_IDLE = 32  # connections kept for the scripts; more in flight at once are closed after use
 
 
 class RedisDirectory(RedisDirectoryBase):
     """``Directory`` on a standalone Redis (redis.asyncio with hiredis)."""
 
     backend_name = "redis"
+
+    def __init__(self, client: aioredis.Redis, **kw: Any) -> None:
+        super().__init__(client, **kw)
+        self._idle: list[AbstractConnection] = []  # connections for ``_eval``, most recent last
 
     @classmethod
     def from_url(
@@ -51,7 +68,48 @@ class RedisDirectory(RedisDirectoryBase):
         client = aioredis.Redis(connection_pool=pool)
         return cls(client, op_timeout_s=op_timeout_s, **kw)
 
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        script = self._scripts[name]
+        idle = self._idle
+        reused = bool(idle)
+        conn = idle.pop() if reused else self._client.connection_pool.make_connection()
+        try:
+            try:
+                reply = await _evalsha(conn, script, keys, args)
+            except (RedisConnectionError, OSError):
+                if not reused:
+                    raise
+                await conn.disconnect(nowait=True)  # it died while idle: once more, on a new one
+                conn = self._client.connection_pool.make_connection()
+                reply = await _evalsha(conn, script, keys, args)
+        except BaseException:
+            await conn.disconnect(nowait=True)  # interrupted mid-call: its next reply is not ours
+            raise
+        if len(idle) < MAX_IDLE:
+            idle.append(conn)
+        else:
+            await conn.disconnect()
+        return reply
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.disconnect(nowait=True)
+        await super().aclose()
+
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
         async with self._io("lookup"):
             flat = await self._eval("lookup_all", (self._registry,), (self.key_prefix, blob))
         return [(flat[i].decode(), flat[i + 1 : i + 7]) for i in range(0, len(flat), 7)]
+
+
+async def _evalsha(conn: AbstractConnection, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """EVALSHA on one connection, loading the script first if the server does not know it."""
+    await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+    try:
+        return await conn.read_response()
+    except NoScriptError:  # a restarted or failed-over server
+        await conn.send_command("SCRIPT", "LOAD", script.text)
+        await conn.read_response()
+        await conn.send_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        return await conn.read_response()

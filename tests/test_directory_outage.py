@@ -79,6 +79,20 @@ async def test_killed_redis_raises_unavailable_everywhere_then_recovers(private_
         await d.aclose()
 
 
+async def test_a_connection_that_died_idle_is_replaced_without_failing_the_call(private_redis: RedisProcess) -> None:
+    """The request path's scripts keep connections between calls: after a server restart the
+    first call finds its connection dead, and must still succeed (no fail-open for it)."""
+    d = open_directory(private_redis.url, key_prefix="idle", op_timeout_s=OP_TIMEOUT_S, index_stride=1)
+    try:
+        await prime(d)  # leaves a connection idle
+        private_redis.kill()
+        private_redis.start()  # empty, scripts unknown: the call also reloads its script
+        r = await d.reserve("n1", 5)
+        await d.release(r)
+    finally:
+        await d.aclose()
+
+
 async def test_stalled_server_times_out_and_leaves_no_half_read_connection(private_redis: RedisProcess) -> None:
     """SIGSTOP makes the server accept nothing and answer nothing: every op must give up after the
     op timeout. After SIGCONT the server answers the abandoned requests too; a connection that
