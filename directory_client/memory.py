@@ -81,10 +81,10 @@ class _Load:
         self.inflight += 1
         self.prefill += prefill
 
-    def remove(self, token: str) -> bool:
+    def remove(self, token: str) -> None:
         entry = self.reservations.pop(token, None)
         if entry is None:
-            return False
+            return
         self.inflight -= 1
         self.prefill -= entry[1]
         if len(self.ends) > 2 * len(self.reservations) + 64:  # mostly released entries: rebuild
@@ -92,7 +92,6 @@ class _Load:
             heapq.heapify(self.ends)
             self.settles = [e for e in self.settles if e[1] in self.reservations]
             heapq.heapify(self.settles)
-        return True
 
     def expire(self, now: float) -> None:
         settles, ends, res = self.settles, self.ends, self.reservations

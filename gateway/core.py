@@ -331,10 +331,11 @@ class RoutingCore:
         decision = decided.decision
         assert decision is not None and decision.node is not None
 
+        estimates = self._estimates(decided, req, n_tokens)
         reservation = None
         if hold is not None:
             try:
-                reservation = await self._reserve(decided, req, n_tokens, hold)
+                reservation = await self._reserve(decided, n_tokens, hold, estimates)
             except ReservationConflict:
                 # Another replica took the node this decision saw idle: decide again on a fresh
                 # view (its load now counted) and take that node whatever happens next.
@@ -343,7 +344,8 @@ class RoutingCore:
                 if again.failed is None:
                     decided, decision = again, again.decision
                     assert decision is not None and decision.node is not None
-                    reservation = await self._reserve(decided, req, n_tokens, hold, conditional=False)
+                    estimates = self._estimates(decided, req, n_tokens)
+                    reservation = await self._reserve(decided, n_tokens, hold, estimates, conditional=False)
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
@@ -353,7 +355,7 @@ class RoutingCore:
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
-        ttft_s, service_s = self._estimates(decided, req, n_tokens)
+        ttft_s, service_s = estimates
         return RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
             request=request, ttft_s=ttft_s, service_s=service_s, sees_end=hold != "estimate",
@@ -378,18 +380,25 @@ class RoutingCore:
         return _Decided(view, decision, done, None)
 
     async def _reserve(
-        self, decided: _Decided, req: dict, n_tokens: int, hold: Hold, *, conditional: bool = True
+        self,
+        decided: _Decided,
+        n_tokens: int,
+        hold: Hold,
+        estimates: tuple[float, float],
+        *,
+        conditional: bool = True,
     ) -> Reservation:
         """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup.
 
         Its prompt stops counting as queued prefill at the policy's estimate of the first token:
         the node is still busy decoding it, but a prompt already prefilled must not make the owner
         look queued to the next turn of the same conversation (that is what sent follow-up turns
-        away from their cache). No integration sees the first token, so the estimate stands in.
+        away from their cache). No integration sees the first token, so the estimate stands in
+        (``estimates``: seconds to the first token and to the last, from ``_estimates``).
         """
         decision = decided.decision
         assert decision is not None and decision.node is not None
-        ttft_s, service_s = self._estimates(decided, req, n_tokens)
+        ttft_s, service_s = estimates
         return await self._bounded(
             self.directory.reserve(
                 decision.node.node_id,
