@@ -725,7 +725,9 @@ class KVEventBridge:
                     log.warning("node %s: replay from seq %d timed out", st.spec.node_id, start)
                     return None
                 frames = await sock.recv_multipart()
-                if len(frames) not in (2, 3):
+                # [b"", topic, seq, payload] (current vLLM), [b"", seq, payload] (older vLLM,
+                # SGLang), [seq, payload]: the last two frames are always the sequence and payload
+                if len(frames) not in (2, 3, 4):
                     log.warning("node %s: replay answer of %d frames", st.spec.node_id, len(frames))
                     return None
                 try:

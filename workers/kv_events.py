@@ -20,8 +20,11 @@ Wire format (vLLM ``vllm/distributed/kv_events.py``; SGLang ``srt/disaggregation
 * Block hashes are ints by default (vLLM: the low 64 bits of the digest, read big-endian; some
   producers send them as signed int64) or raw digest bytes. Both are normalised to an unsigned
   64-bit int here, bytes by taking their last 8 bytes big-endian, exactly as vLLM does.
-* Replay: a ROUTER socket. A client sends ``[b"", start_seq (8 bytes)]`` and gets, per buffered
-  batch with ``seq >= start_seq``, ``[b"", seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``.
+* Replay: a ROUTER socket. A client (DEALER) sends ``[b"", start_seq (8 bytes)]`` and gets, per
+  buffered batch with ``seq >= start_seq``, ``[b"", topic, seq, payload]``, then the end marker
+  ``[b"", b"", -1 (8 bytes, signed), b""]`` (current vLLM, ``ZmqEventPublisher._service_replay``).
+  Older vLLM and SGLang answer without the topic: ``[b"", seq, payload]`` and
+  ``[b"", -1, b""]``. A reader takes the last two frames as ``seq, payload`` and accepts both.
 
 Decoding is tolerant of what producers legitimately vary (form, omitted trailing defaults,
 unknown fields, extra trailing array elements, int or bytes hashes) and strict about everything
@@ -85,6 +88,9 @@ class AllBlocksCleared(KVCacheEvent, frozen=True, gc=False, omit_defaults=True, 
 
 KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 WireFormat: TypeAlias = Literal["map", "array"]
+ReplayForm: TypeAlias = Literal["topic", "plain"]
+"""How a replay answer is framed: ``topic`` = current vLLM (4 frames at the client), ``plain`` =
+older vLLM and SGLang (3 frames)."""
 
 
 class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
@@ -354,9 +360,13 @@ class KVEventPublisher:
         topic: str = "",
         buffer_batches: int = 10_000,
         wire_format: WireFormat = "map",
+        replay_form: ReplayForm = "topic",
     ) -> None:
         if wire_format not in ("map", "array"):
             raise ValueError(f"wire_format must be 'map' or 'array', not {wire_format!r}")
+        if replay_form not in ("topic", "plain"):
+            raise ValueError(f"replay_form must be 'topic' or 'plain', not {replay_form!r}")
+        self._replay_form: ReplayForm = replay_form
         if buffer_batches <= 0:
             raise ValueError("buffer_batches must be positive")
         self._wire_format: WireFormat = wire_format
@@ -450,9 +460,11 @@ class KVEventPublisher:
 
     def _answer_replay(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
+        # current vLLM puts the topic before each sequence frame, the end marker's topic empty
+        head, end_head = ((self._topic,), (b"",)) if self._replay_form == "topic" else ((), ())
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("ignoring malformed replay request of %d frames", len(frames))
-            sock.send_multipart((identity, b"", encode_seq(END_SEQ), b""))
+            sock.send_multipart((identity, b"", *end_head, encode_seq(END_SEQ), b""))
             return
         start = int.from_bytes(frames[2], "big")
         with self._lock:
@@ -462,8 +474,8 @@ class KVEventPublisher:
             else:
                 todo = []
         for seq, payload in todo:
-            sock.send_multipart((identity, b"", encode_seq(seq), payload))
-        sock.send_multipart((identity, b"", encode_seq(END_SEQ), b""))
+            sock.send_multipart((identity, b"", *head, encode_seq(seq), payload))
+        sock.send_multipart((identity, b"", *end_head, encode_seq(END_SEQ), b""))
 
     # -- lifecycle --------------------------------------------------------------------------
 
