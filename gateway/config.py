@@ -428,6 +428,11 @@ class KvgateConfig(BaseSettings):
     )
     models: list[str] = Field(default_factory=list, description="served model names; empty = accept any model")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must equal the engines' block size")
+    lora_adapters: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters by served name -> the base model they run on (vLLM --lora-modules NAME=...): "
+        "their prompts are keyed as (base model, adapter, cache_salt), as the engines' KV events name them",
+    )
     tokenizer: TokenizerConfig = TokenizerConfig()
     directory: DirectoryConfig = DirectoryConfig()
     fleet: list[NodeConfig] = Field(default_factory=list, description="static fleet (bridges may register more)")
@@ -497,6 +502,15 @@ class KvgateConfig(BaseSettings):
         k8s = self.discovery.kubernetes
         if k8s.enabled and k8s.events_port is not None and not (k8s.model or self.models):
             raise ValueError("discovery.kubernetes.events_port is set but no model: set discovery.kubernetes.model or `models`")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_name_their_base(self) -> KvgateConfig:
+        for name, base in self.lora_adapters.items():
+            if not name or not base or name == base:
+                raise ValueError(f"lora_adapters: {name!r} -> {base!r} must map an adapter to another, base model")
+            if self.models and base not in self.models:
+                raise ValueError(f"lora_adapters: base model {base!r} of {name!r} is not in `models`")
         return self
 
     def node_model(self, node: NodeConfig) -> str:

@@ -67,7 +67,8 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_body_bytes=cfg.limits.max_body_bytes,
         max_prompt_tokens=cfg.limits.max_prompt_tokens,
         max_prompt_bytes=cfg.limits.max_prompt_bytes,
-        models=frozenset(cfg.models),
+        models=frozenset(cfg.models) | frozenset(cfg.lora_adapters) if cfg.models else frozenset(),
+        lora_adapters=dict(cfg.lora_adapters),
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
 

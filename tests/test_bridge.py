@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from directory_client import open_directory
 from directory_client.types import Directory, DirectoryUnavailable, Tier
 from tests.conftest import REPO, free_port
-from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from tokenizer.keys import BlockKey, block_keys, namespace_seed, request_seed
 from workers.bridge import (
     BlockMapOverflow,
     EngineSpec,
@@ -98,6 +98,48 @@ def test_map_lora_name_changes_the_seed_of_root_blocks() -> None:
     m.apply(stored([1], tokens(0, 1), lora_name="adapter-a"))
     assert m.key_of(1) == keys_of(tokens(0, 1), lora="adapter-a")[0]
     assert m.key_of(1) != keys_of(tokens(0, 1))[0]
+
+
+def salted_keys(toks: Sequence[int], salt: str | None, *, lora: str | None = None) -> list[BlockKey]:
+    """The gateway's keys for a prompt sent with body ``cache_salt`` (and model = the adapter)."""
+    adapters = {lora: MODEL} if lora else {}
+    return block_keys(toks, block_size=BS, seed=request_seed(lora or MODEL, cache_salt=salt, adapters=adapters))
+
+
+def test_map_keys_salted_blocks_as_the_gateway_keys_salted_prompts() -> None:
+    """vLLM 0.32 puts ``cache_salt`` in block 0's ``extra_keys`` only (after the LoRA name, which
+    every block of a LoRA request carries). Before: the bridge ignored it, so a tenant's salted
+    blocks were recorded under the unsalted key: its prompts never hit, and anyone's unsalted
+    guess of them was routed to the owner (a cross-tenant prefix oracle)."""
+    prompt = tokens(0, 3)
+    m = new_map()
+    m.apply(stored([1, 2], prompt[:32], extra_keys=[["tenant-a"], None]))
+    m.apply(stored([3], prompt[32:], parent=2))
+    assert [m.key_of(h) for h in (1, 2, 3)] == salted_keys(prompt, "tenant-a")
+    # salted and unsalted twins never share a key, nor do two salts
+    unsalted, other = salted_keys(prompt, None), salted_keys(prompt, "tenant-b")
+    assert not set(salted_keys(prompt, "tenant-a")) & (set(unsalted) | set(other))
+    # LoRA: every block carries the adapter name first, block 0 then the salt
+    m.apply(stored([11, 12], prompt[:32], lora_name="ad", extra_keys=[["ad", "tenant-a"], ["ad"]]))
+    assert [m.key_of(h) for h in (11, 12)] == salted_keys(prompt, "tenant-a", lora="ad")[:2]
+    m.apply(stored([21], prompt[:16], lora_name="ad", extra_keys=[["ad"]]))
+    assert m.key_of(21) == salted_keys(prompt, None, lora="ad")[0] != m.key_of(11)
+
+
+def test_map_drops_blocks_whose_content_tokens_do_not_decide() -> None:
+    """Multimodal placeholders (``(mm_identifier, offset)``), prompt embeddings, an unnamed LoRA
+    (deprecated ``lora_id`` only) or a salt past block 0: their keys from token IDs alone would
+    claim what the node does not hold, so they are dropped and counted, with their descendants."""
+    m = new_map()
+    assert m.apply(stored([1, 2], tokens(0, 2), extra_keys=[None, [["img-sha", 0]]])) == ("extra_keys", 1)
+    assert m.key_of(1) is not None and m.key_of(2) is None
+    assert m.apply(stored([3], tokens(0, 1), extra_keys=[[b"embeds-digest"]])) == ("extra_keys", 1)
+    assert m.apply(stored([4], tokens(0, 1), lora_id=7)) == ("lora_unnamed", 1)
+    assert m.apply(stored([5], tokens(16, 1), parent=1, extra_keys=[["late-salt"]])) == ("extra_keys", 1)
+    assert m.apply(stored([6, 7], tokens(0, 2), extra_keys=[None])) == ("extra_keys", 2)  # one entry short
+    # an unknown engine's tagged form is understood too
+    m.apply(stored([8], tokens(0, 1), extra_keys=[[["cache_salt", "tenant-a"]]]))
+    assert m.key_of(8) == salted_keys(tokens(0, 1), "tenant-a")[0]
 
 
 def test_map_unknown_parent_drops_the_blocks_and_their_descendants() -> None:

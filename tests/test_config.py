@@ -229,3 +229,15 @@ def test_config_is_frozen():
 def test_every_policy_builds_from_config(name):
     cfg = load_config(policy={"name": name})
     assert cfg.policy.build().name == name
+
+
+def test_lora_adapters_map_to_a_listed_base_model():
+    from gateway.serve_cmd import limits_from_config
+
+    cfg = load_config(None, models=["llama-8b"], lora_adapters={"support-bot": "llama-8b"})
+    limits = limits_from_config(cfg)
+    assert limits.lora_adapters == {"support-bot": "llama-8b"}
+    assert limits.models == {"llama-8b", "support-bot"}  # an adapter's name is a model clients may ask for
+    for bad in ({"support-bot": "other-model"}, {"llama-8b": "llama-8b"}):
+        with pytest.raises(ConfigError, match="lora_adapters"):
+            load_config(None, models=["llama-8b"], lora_adapters=bad)

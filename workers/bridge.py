@@ -47,8 +47,11 @@ What it guarantees (and what it does not):
   us and drops the rest at the publisher, which the bridge sees as a sequence gap and repairs by
   replay; pending directory writes are folded per key, so they are bounded by the blocks held.
 
-Not handled: ``cache_salt`` (vLLM carries it inside ``extra_keys``; salted blocks are keyed as
-unsalted), the deprecated ``lora_id`` (only ``lora_name`` changes the key seed).
+* **Salt and LoRA key like the gateway's.** ``lora_name`` and the ``cache_salt`` vLLM puts in
+  block 0's ``extra_keys`` seed the chain (``tokenizer.keys``: one rule on both sides), so a
+  tenant's salted blocks are found only by prompts with the same salt. Blocks whose content is
+  not their token IDs (multimodal, prompt embeddings) or whose adapter has no name (deprecated
+  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``).
 """
 
 from __future__ import annotations
@@ -242,7 +245,7 @@ class NodeBlockMap:
         self._max_blocks = max_blocks
         self._by_hash: dict[int, _Held] = {}
         self._holders: dict[BlockKey, list[int]] = {}  # key -> holder count per tier
-        self._seeds: dict[str | None, int] = {}
+        self._seeds: dict[str | None, int] = {}  # unsalted seed per LoRA name
         self._touched: dict[BlockKey, int] = {}  # key -> its tier mask at the last take_changes
         self.cleared = False  # the directory must clear the node before the next changes
 
@@ -322,9 +325,13 @@ class NodeBlockMap:
         self.reset()
         return None
 
-    def _seed(self, lora_name: str | None) -> int:
+    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        if cache_salt:  # per tenant, chosen by clients: not worth caching (and not bounded)
+            return namespace_seed(self._model, lora=lora_name, cache_salt=cache_salt)
         seed = self._seeds.get(lora_name)
         if seed is None:
+            if len(self._seeds) >= 1024:
+                self._seeds.clear()
             seed = self._seeds[lora_name] = namespace_seed(self._model, lora=lora_name)
         return seed
 
@@ -334,13 +341,19 @@ class NodeBlockMap:
             return ("block_size", n)
         if len(ev.token_ids) != n * self._block_size:
             return ("token_count", n)
+        if ev.lora_id is not None and not ev.lora_name:
+            return ("lora_unnamed", n)  # an adapter we cannot name: keying it as the base would lie
+        salt, keyable = read_extra_keys(ev.extra_keys, n, root=ev.parent_block_hash is None, lora_name=ev.lora_name)
+        if keyable == 0:
+            return ("extra_keys", n)
         parent_key: int | None = None
         if ev.parent_block_hash is not None:
             parent = self._by_hash.get(_slot(ev.parent_block_hash, ev.group_idx))
             if parent is None:
                 return ("unknown_parent", n)
             parent_key = parent.key
-        keys = block_keys(ev.token_ids, block_size=self._block_size, seed=self._seed(ev.lora_name), parent=parent_key)
+        tokens = ev.token_ids if keyable == n else ev.token_ids[: keyable * self._block_size]
+        keys = block_keys(tokens, block_size=self._block_size, seed=self._seed(ev.lora_name, salt), parent=parent_key)
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
         for engine_hash, key in zip(ev.block_hashes, keys):
@@ -356,7 +369,7 @@ class NodeBlockMap:
             if not held.tiers & bit:
                 held.tiers |= bit
                 self._count(key, tier, +1)
-        return None
+        return None if keyable == n else ("extra_keys", n - keyable)
 
     def _removed(self, ev: BlockRemoved) -> None:
         tier = Tier.from_medium(ev.medium)
@@ -386,6 +399,41 @@ class NodeBlockMap:
         counts[tier] += delta
         if not any(counts):
             del self._holders[key]
+
+
+def read_extra_keys(extra: list | None, n: int, *, root: bool, lora_name: str | None) -> tuple[str | None, int]:
+    """``(cache salt, how many leading blocks token IDs alone can key)`` from ``extra_keys``.
+
+    vLLM 0.32 publishes one entry per block (None when empty), each holding in order: the LoRA
+    name (every block of a LoRA request), ``(mm_identifier, offset)`` pairs, the cache salt (block
+    0 of a sequence only) and prompt-embedding digests (bytes); newer engines may tag them
+    (``("cache_salt", salt)``, ``("lora", name, path)``). The salt becomes part of the key seed.
+    Multimodal and embedding entries mean the block's content is not its token IDs: that block
+    and every later one (they chain on it) cannot be keyed, nor can anything we do not understand
+    (a salt past block 0, an unknown type, a list of the wrong length).
+    """
+    if extra is None:
+        return None, n
+    if len(extra) != n:
+        return None, 0
+    salt: str | None = None
+    for i, entry in enumerate(extra):
+        if entry is None:
+            continue
+        if not isinstance(entry, list):
+            return salt, i
+        for j, item in enumerate(entry):
+            if isinstance(item, list) and len(item) >= 2 and item[0] == "lora":
+                continue  # tagged adapter: lora_name already names it
+            if isinstance(item, list) and len(item) == 2 and item[0] == "cache_salt":
+                item = item[1]
+            elif j == 0 and lora_name and item == lora_name:
+                continue  # the untagged adapter name leads every entry of a LoRA request
+            if isinstance(item, str) and root and i == 0 and salt is None:
+                salt = item
+                continue
+            return salt, i  # multimodal pair, embedding digest, a misplaced salt, or unknown
+    return salt, n
 
 
 def _slot(engine_hash: int, group_idx: int | None) -> int:

@@ -25,6 +25,8 @@ def to_wire(records: Sequence[CacheEvent]) -> list[KVEvent]:
                     token_ids=list(r.token_ids),
                     block_size=r.block_size,
                     medium=r.medium,
+                    lora_name=r.lora_name,
+                    extra_keys=None if r.extra_keys is None else [None if e is None else list(e) for e in r.extra_keys],
                 )
             )
         elif isinstance(r, BlocksRemoved):
