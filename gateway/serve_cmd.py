@@ -67,6 +67,8 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_body_bytes=cfg.limits.max_body_bytes,
         max_prompt_tokens=cfg.limits.max_prompt_tokens,
         max_prompt_bytes=cfg.limits.max_prompt_bytes,
+        max_answer_tokens=cfg.limits.max_answer_tokens,
+        max_hold_s=cfg.limits.max_hold_s,
         models=frozenset(cfg.models),
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
