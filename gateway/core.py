@@ -52,6 +52,7 @@ from directory_client.types import (
     ReservationConflict,
 )
 from gateway import metrics
+from gateway.answer_budget import answer_budget
 from gateway.decision_log import DecisionLog
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
@@ -87,6 +88,8 @@ class RoutingLimits:
     lookup_timeout_s: float = 0.025
     max_prompt_bytes: int = 1 << 20  # rendered prompt text beyond this is passed through untokenized
     head_chars: int = 8192  # fresh text beyond this is first routed on its head (0: always tokenize all)
+    max_answer_tokens: int = 8192  # ceiling of the answer budget a request's load is estimated with
+    max_hold_s: float = 300.0  # a load held for an estimate (ext_authz) ends this long after at the latest
 
 
 @dataclass(slots=True)
@@ -414,8 +417,8 @@ class RoutingCore:
         """The policy's estimates for the chosen node: seconds to the first token and to the last."""
         decision = decided.decision
         assert decision is not None
-        ttft_s = _estimated_ttft_s(decision)
-        return ttft_s, ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision))
+        ttft_s = min(_estimated_ttft_s(decision), self.limits.max_hold_s)
+        return ttft_s, min(ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision)), self.limits.max_hold_s)
 
     async def _bounded(self, operation: Awaitable[T]) -> T:
         """A directory call under the lookup timeout; an in-process directory needs none."""
@@ -425,10 +428,11 @@ class RoutingCore:
             return await operation
 
     def _decode_s(self, req: dict, n_tokens: int, load: NodeLoad) -> float:
-        """Modelled decode time of the answer: its token budget at the node's current batch size."""
-        budget = req.get("max_completion_tokens") or req.get("max_tokens")
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
-            budget = DEFAULT_ANSWER_TOKENS
+        """Modelled decode time of the answer: its (clamped) token budget at the node's current batch size."""
+        lim = self.limits
+        budget = answer_budget(
+            req, n_tokens, context_tokens=lim.max_prompt_tokens, ceiling=lim.max_answer_tokens, default=DEFAULT_ANSWER_TOKENS
+        )
         return budget * self.profile.decode_step_seconds(load.inflight + 1, n_tokens)
 
     async def release(self, result: RouteResult) -> None:

@@ -69,6 +69,8 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_prompt_bytes=cfg.limits.max_prompt_bytes,
         models=frozenset(cfg.models) | frozenset(cfg.lora_adapters) if cfg.models else frozenset(),
         lora_adapters=dict(cfg.lora_adapters),
+        max_answer_tokens=cfg.limits.max_answer_tokens,
+        max_hold_s=cfg.limits.max_hold_s,
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
 

@@ -166,3 +166,48 @@ async def test_a_node_holding_the_head_makes_the_gateway_read_the_whole_prompt(t
     assert result.request.prompt_tokens == len(ids)
     assert result.decision.expected_cached_tokens == (len(ids) // 16) * 16
     await core.release(result)
+
+
+async def test_an_absurd_answer_budget_holds_a_node_no_longer_than_the_cap(tok) -> None:
+    """Phantom load (issue 15, item 7): ext_authz never sees a response end, so a request's load is
+    held for its estimated service, which grew with the client's ``max_tokens``: 20 requests asking
+    for 10^12 tokens made a node look busy for the directory's 10-minute cap. What the attacker gets
+    now: each request is routed (200), and its load is gone ``limits.max_hold_s`` later at the latest."""
+    now = [1000.0]
+    directory = InProcessDirectory(index_stride=1, heartbeat_ttl_s=10_000.0, clock=lambda: now[0])
+    for i in (1, 2):
+        await directory.register_node(NodeInfo(f"n{i}", f"127.0.0.1:{9000 + i}"))
+    limits = RoutingLimits(models=frozenset([MODEL]), max_hold_s=2.0)
+    core = RoutingCore(tok, directory, make_policy("kvgate"), PROFILE, limits)
+    text = "An ordinary question about harbour traffic. " * 20
+    attacks = [await core.route("/v1/completions", body(text, max_tokens=10**12), sees_response_end=False)
+               for _ in range(20)]  # fmt: skip
+    assert all(r.kind == "routed" for r in attacks)
+    assert max(r.service_s for r in attacks) == limits.max_hold_s
+    assert sum(load.inflight for load in (await directory.loads()).values()) == 20
+    now[0] += limits.max_hold_s + 0.01
+    assert all(load == NodeLoad() for load in (await directory.loads()).values())
+
+
+async def test_an_absurd_answer_budget_is_estimated_as_the_ceiling(tok) -> None:
+    """... and is estimated as if it had asked for ``limits.max_answer_tokens``."""
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    core.limits = RoutingLimits(models=frozenset([MODEL]), max_answer_tokens=1024)
+    text = "An ordinary question about harbour traffic. " * 20
+    ceiling = await core.route("/v1/completions", body(text, max_tokens=1024), sees_response_end=False)
+    await core.release(ceiling)
+    attack = await core.route("/v1/completions", body(text, max_tokens=10**12), sees_response_end=False)
+    assert attack.kind == "routed" and attack.service_s == pytest.approx(ceiling.service_s, rel=0.05)
+
+
+async def test_the_answer_budget_is_clamped_to_the_context_left(tok) -> None:
+    directory = InProcessDirectory(index_stride=1)
+    core = await core_over(directory, tok)
+    core.limits = RoutingLimits(models=frozenset([MODEL]), max_prompt_tokens=4096, max_answer_tokens=100_000)
+    text = "An ordinary question about harbour traffic. " * 20
+    fits = await core.route("/v1/completions", body(text, max_tokens=3000), sees_response_end=False)
+    await core.release(fits)
+    huge = await core.route("/v1/completions", body(text, max_tokens=10**9), sees_response_end=False)
+    # the prompt is ~180 tokens: what is left of a 4096-token context is at most ~3,900 tokens
+    assert huge.service_s <= fits.service_s * 4096 / 3000

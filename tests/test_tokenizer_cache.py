@@ -2,25 +2,45 @@
 
 from __future__ import annotations
 
+import sys
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
 
-from tokenizer.lru import ByteBoundedLRU, entry_cost
+from tokenizer.encoder import _frozen
+from tokenizer.lru import ENTRY_OVERHEAD_BYTES, ByteBoundedLRU, entry_cost
 
 
 def ids(n: int) -> np.ndarray:
     return np.arange(n, dtype=np.uint32)
 
 
-def test_cost_counts_utf8_key_bytes_and_four_bytes_per_token() -> None:
-    assert entry_cost("abc", ids(5)) == 3 + 20
-    assert entry_cost("日本", ids(1)) == 6 + 4
-    cache = ByteBoundedLRU(1000)
+def test_cost_counts_overhead_tokens_and_kept_key_text() -> None:
+    assert entry_cost("abc", ids(5)) == ENTRY_OVERHEAD_BYTES + 20  # ASCII keys are kept as digests
+    assert entry_cost("日本", ids(1)) == ENTRY_OVERHEAD_BYTES + 4 + sys.getsizeof("日本")
+    cache = ByteBoundedLRU(10_000)
     cache.put("日本", ids(3))
     cache.put("x", ids(0))
-    assert cache.stats.bytes == 6 + 12 + 1
+    assert cache.stats.bytes == 2 * ENTRY_OVERHEAD_BYTES + 12 + sys.getsizeof("日本")
+
+
+@pytest.mark.parametrize("prefix", ["k", "é"])
+def test_accounted_bytes_cover_what_the_entries_really_take(prefix: str) -> None:
+    """Many one-token entries (the short-pieces attack): memory traced while filling the cache is
+    at most what it accounts, so its bound holds in the process, not only on paper."""
+    cache = ByteBoundedLRU(1 << 30)
+    keys = [f"{prefix}{i:07d}" for i in range(50_000)]
+    tracemalloc.start()
+    try:
+        cache.put_many((k, _frozen([i])) for i, k in enumerate(keys))
+        traced = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    kept_keys = 0 if prefix.isascii() else sum(map(sys.getsizeof, keys))  # allocated before tracing
+    assert traced + kept_keys <= cache.stats.bytes, (traced, cache.stats.bytes)
+    assert cache.stats.bytes <= 1.3 * (traced + kept_keys)  # and not wildly more
 
 
 def test_evicts_least_recently_used_to_stay_within_bound() -> None:
@@ -35,26 +55,26 @@ def test_evicts_least_recently_used_to_stay_within_bound() -> None:
 
 
 def test_replacing_a_key_does_not_double_count() -> None:
-    cache = ByteBoundedLRU(1000)
+    cache = ByteBoundedLRU(10_000)
     cache.put("k", ids(10))
     cache.put("k", ids(3))
-    assert cache.stats.bytes == 1 + 12 and len(cache) == 1
+    assert cache.stats.bytes == ENTRY_OVERHEAD_BYTES + 12 and len(cache) == 1
     assert cache.get("k").tolist() == [0, 1, 2]
 
 
 def test_entry_larger_than_the_bound_is_not_stored_and_evicts_nothing() -> None:
-    cache = ByteBoundedLRU(100)
+    cache = ByteBoundedLRU(ENTRY_OVERHEAD_BYTES + 100)
     cache.put("small", ids(2))
     cache.put("huge", ids(100))
     assert "huge" not in cache and "small" in cache
 
 
 def test_hit_and_miss_counters_and_tuple_unpacking() -> None:
-    cache = ByteBoundedLRU(1000)
+    cache = ByteBoundedLRU(10_000)
     cache.put("a", ids(1))
     assert [x is None for x in cache.get_many(["a", "b", "a", "c"])] == [False, True, False, True]
     hits, misses, size = cache.stats
-    assert (hits, misses, size) == (2, 2, 5)
+    assert (hits, misses, size) == (2, 2, ENTRY_OVERHEAD_BYTES + 4)
     cache.clear()
     assert cache.stats.bytes == 0 and len(cache) == 0 and cache.stats.hits == 2
 

@@ -1,19 +1,24 @@
 """A byte-bounded, thread-safe LRU map from text segments to their token IDs.
 
 The bound is on memory, not entry count, because segments range from one word to a whole
-32k-token document. An entry costs the UTF-8 size of its key plus 4 bytes per token (the uint32
-array); Python object overhead is not counted, so the real footprint is somewhat larger. One lock
+32k-token document. An entry is accounted at what it really costs the process: its token array
+(4 bytes a token), the text of a key that is kept, and a fixed ``ENTRY_OVERHEAD_BYTES`` for the
+Python objects around them (array header, map slot, tuple, digest: ~360 bytes measured with
+tracemalloc). Counting only text and tokens let prompts of many short pieces (each piece one
+entry) grow the process 38× past the bound; with the overhead counted the entry count is bounded
+too, by ``capacity_bytes / ENTRY_OVERHEAD_BYTES``. One lock
 guards the map: the event loop and the tokenizer thread pool read and fill it at once, and every
 operation under the lock is O(number of keys), never a tokenization.
 
 An ASCII key is held as its 128-bit xxh3 digest, not as text: a prompt's pieces are new strings
 every request, and hashing a 30k-character one the Python way costs ~7 µs where encoding and
-xxh3 cost ~2 (the text is not kept either; its accounted cost stays, so the bound is
-conservative). Other keys stay strings: for them Python's hash is the faster one.
+xxh3 cost ~2 (the text is not kept, so it costs nothing). Other keys stay strings, accounted at
+their ``sys.getsizeof``: for them Python's hash is the faster one.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -23,6 +28,9 @@ import numpy as np
 import xxhash
 
 _digest = xxhash.xxh3_128_intdigest
+ENTRY_OVERHEAD_BYTES = 384
+"""Bytes one entry costs besides its token data and key text (measured with tracemalloc: 360 for a one-token entry; 112 array header, ~210
+map slot + ordering node + tuple + 128-bit digest + the cost's int; rounded up)."""
 
 
 def _slot(key: str) -> int | str:
@@ -45,8 +53,9 @@ class CacheStats:
 
 
 def entry_cost(key: str, value: np.ndarray) -> int:
-    """Accounted bytes of one entry: key text as UTF-8 plus 4 bytes per token."""
-    return len(key.encode("utf-8", "surrogatepass")) + 4 * len(value)
+    """Accounted bytes of one entry: its fixed overhead, its tokens, and its key if kept as text."""
+    kept_key = 0 if key.isascii() else sys.getsizeof(key)
+    return ENTRY_OVERHEAD_BYTES + 4 * len(value) + kept_key
 
 
 class ByteBoundedLRU:
