@@ -2,7 +2,8 @@
 debug endpoints and the live dashboard (``gateway.admin_debug``, ``gateway.dashboard``).
 
 ``/readyz`` says whether this replica can make cache-aware decisions (tokenizer loaded,
-directory answering). Not ready does not mean traffic stops: Envoy fails open around kvgate.
+directory answering), and which tokenizer and chat template it loaded: with another model's,
+no block key ever matches and routing silently degrades to load only. Not ready does not mean traffic stops: Envoy fails open around kvgate.
 
 ``/metrics`` renders three registries: the request path's (``gateway.metrics.REGISTRY``),
 prometheus_client's default one (the in-process KV-event bridges register there, and so do the
@@ -54,7 +55,12 @@ def build_admin_app(
         if tokenizer is not None:
             try:
                 tokenizer.encode_text("ready", add_special_tokens=False)
-                body["tokenizer"] = {"loaded": True, "source": str(tokenizer.source_path), "vocab": tokenizer.vocab_size}
+                body["tokenizer"] = {
+                    "loaded": True,
+                    "source": str(tokenizer.source_path),
+                    "vocab": tokenizer.vocab_size,
+                    "chat_template": tokenizer.template.origin,  # which file: a wrong one keys nothing
+                }
             except Exception as e:  # a broken tokenizer makes every decision fail open: not ready
                 ready = False
                 body["tokenizer"] = {"loaded": False, "error": f"{type(e).__name__}: {e}"}

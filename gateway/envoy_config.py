@@ -10,7 +10,14 @@ What the rendered config does, and why (FACTS.md, "Envoy + ext_proc"):
   that header; kvgate clears the route cache so the match is re-evaluated after its mutation;
 - every other request (kvgate failed open, or a path kvgate does not route) takes the fallback
   route: a least-request cluster of the same fleet;
-- kvgate runs only on the inference paths; other paths pass through untouched.
+- kvgate runs only on the inference paths; other paths pass through untouched. Paths are
+  normalised first (``%63hat``, ``//``, ``/./``; an escaped slash is redirected to its unescaped
+  form), and a path that merely looks like inference (``/v1/chat/completions/``, ``/V1/...``) is
+  answered 404 by Envoy: no spelling of an inference path gets past kvgate to an engine;
+- Envoy protects itself: header and whole-request receive timeouts, a stream idle timeout, bounded
+  per-connection buffers, a connection limit and an overload manager with a heap limit (stalled
+  uploads are reset before the heap runs out), circuit breakers sized from the fleet, and outlier
+  detection on every cluster that sends to engines.
 
 Two integrations carry the same decision (``integration``): ``ext_proc`` (gRPC, exact load
 accounting, what the Gateway API Inference Extension speaks) and ``ext_authz`` (HTTP with the
@@ -42,6 +49,10 @@ _EXT_AUTHZ_PER_ROUTE = "type.googleapis.com/envoy.extensions.filters.http.ext_au
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _EARLY_MUTATION = "type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation"
 _HTTP_OPTIONS = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_FIXED_HEAP = "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap.v3.FixedHeapConfig"
+_DOWNSTREAM_CONNS = (
+    "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
+)
 _PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
@@ -63,6 +74,17 @@ class EnvoySettings:
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
     retries: int = 2  # per request, on connect failure / reset / refused stream (0 = off)
     health_check_interval_ms: int = 1000  # active health checks of nodes and kvgate replicas (0 = off)
+    request_headers_timeout_s: float = 10.0  # a client has this long to send its headers
+    request_timeout_s: float = 60.0  # ... and this long for the whole request (not the answer)
+    max_connections: int = 4096  # downstream connections over all listeners
+    max_heap_bytes: int = 1 << 30  # the overload manager's heap limit (keep under the memory limit)
+    max_requests_per_node: int = 256  # circuit breakers: the fleet's clusters allow this × fleet_size
+    fleet_size: int = 0  # engines behind `fleet` (0 = its length; one DNS name may stand for many)
+
+    def max_upstream_requests(self) -> int:
+        """Concurrent requests (and pending ones) a cluster of the fleet allows: Envoy's default
+        of 1,024 overflows (503 ``upstream_rq_pending_overflow``) with a few busy engines."""
+        return max(1024, self.max_requests_per_node * (self.fleet_size or len(self.fleet)))
 
     def ext_proc_endpoints(self) -> tuple[str, ...]:
         return tuple(self.ext_proc_addresses) or (self.ext_proc_address,)
@@ -91,6 +113,11 @@ def _cluster_type(addresses: Sequence[str]) -> str:
 def _endpoints(addresses: Sequence[str]) -> list[dict]:
     return [{"lb_endpoints": [{"endpoint": {"address": _socket(a)}} for a in addresses]}]
 
+
+LOOKALIKE_PATHS = "(?i).*completions.*"
+"""Any other spelling of an inference path (trailing slash, case, ``;params``): answered 404 by
+Envoy, since an engine may serve it while kvgate's routes, allow-list and limits do not see it."""
+LOOKALIKE_ANSWER = '{"error": {"message": "not an inference path: use /v1/chat/completions or /v1/completions"}}\n'
 
 RETRY_ON = "connect-failure,reset,refused-stream"
 """Failures before any response byte reached the client: a retry cannot duplicate an answer."""
@@ -146,6 +173,12 @@ def _routes(s: EnvoySettings) -> list[dict]:
             )
         for path in INFERENCE_PATHS:
             routes.append(_route({"path": path}, "fleet", s))
+    routes.append(
+        {
+            "match": {"safe_regex": {"regex": LOOKALIKE_PATHS}},
+            "direct_response": {"status": 404, "body": {"inline_string": LOOKALIKE_ANSWER}},
+        }
+    )
     routes.append(_route({"prefix": "/"}, "fleet", s, kvgate_disabled=True))
     return routes
 
@@ -165,12 +198,12 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
                     "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                 },
                 "path_prefix": "/kvgate/authz",
-                "authorization_request": {"allowed_headers": exact("x-request-id", "content-type", "traceparent")},
                 "authorization_response": {
                     "allowed_upstream_headers": exact(*KVGATE_HEADERS),
                     "allowed_client_headers": exact("content-type"),
                 },
             },
+            "allowed_headers": exact("x-request-id", "content-type", "traceparent"),
             # The whole body or nothing: a partial body would be judged malformed.
             "with_request_body": {"max_request_bytes": s.max_body_bytes, "allow_partial_message": False},
             "failure_mode_allow": True,
@@ -237,6 +270,34 @@ def _health(s: EnvoySettings, check: dict) -> dict:
     }
 
 
+def _circuit_breakers(s: EnvoySettings) -> dict:
+    limit = s.max_upstream_requests()
+    return {
+        "circuit_breakers": {
+            "thresholds": [
+                {"priority": "DEFAULT", "max_connections": limit, "max_pending_requests": limit,
+                 "max_requests": limit, "max_retries": max(3, limit // 10)}
+            ]
+        }
+    }  # fmt: skip
+
+
+def _outlier_detection(s: EnvoySettings) -> dict:
+    """Ejects a node answering 5xx or resetting: with retries elsewhere, a node that fails fast
+    no longer attracts the traffic its short queue invites. On the ORIGINAL_DST cluster the
+    ejections are counted per node (kvgate reads them; the header still pins the host)."""
+    interval = f"{max(s.health_check_interval_ms, 1000) / 1000:.3f}s"
+    return {
+        "outlier_detection": {
+            "consecutive_5xx": 3,
+            "consecutive_gateway_failure": 2,
+            "interval": interval,
+            "base_ejection_time": "5s",
+            "max_ejection_percent": 50,
+        }
+    }
+
+
 def _clusters(s: EnvoySettings) -> list[dict]:
     connect = f"{s.connect_timeout_ms / 1000:.3f}s"
     clusters: list[dict] = [
@@ -246,6 +307,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
             "connect_timeout": connect,
             "lb_policy": s.lb_policy,
             "load_assignment": {"cluster_name": "fleet", "endpoints": _endpoints(s.fleet)},
+            **_circuit_breakers(s),
             **_health(s, {"http_health_check": {"path": "/health"}}),
         }
     ]
@@ -257,6 +319,8 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                 "connect_timeout": connect,
                 "lb_policy": "CLUSTER_PROVIDED",
                 "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                **_circuit_breakers(s),
+                **_outlier_detection(s),
             }
         )
     if s.integration == "ext_authz":
@@ -293,6 +357,34 @@ def _clusters(s: EnvoySettings) -> list[dict]:
     return clusters
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"
+
+
+def _overload_manager(s: EnvoySettings) -> dict:
+    """Envoy stays up when clients try to exhaust it: past 85% of the heap limit the streams
+    holding the most buffered memory are reset (stalled uploads first), at 95% it returns memory
+    to the system, at 98% it stops accepting requests; past ``max_connections`` new connections
+    are refused."""
+    heap, conns = "envoy.resource_monitors.fixed_heap", "envoy.resource_monitors.global_downstream_max_connections"
+    return {
+        "refresh_interval": "0.250s",
+        "resource_monitors": [
+            {"name": heap, "typed_config": {"@type": _FIXED_HEAP, "max_heap_size_bytes": s.max_heap_bytes}},
+            {"name": conns, "typed_config": {"@type": _DOWNSTREAM_CONNS, "max_active_downstream_connections": s.max_connections}},
+        ],
+        "actions": [
+            {"name": "envoy.overload_actions.reset_high_memory_stream",
+             "triggers": [{"name": heap, "scaled": {"scaling_threshold": 0.85, "saturation_threshold": 0.95}}]},
+            {"name": "envoy.overload_actions.shrink_heap", "triggers": [{"name": heap, "threshold": {"value": 0.95}}]},
+            {"name": "envoy.overload_actions.stop_accepting_requests",
+             "triggers": [{"name": heap, "threshold": {"value": 0.98}}]},
+        ],
+        # Streams are charged for what they buffer (from 1 MiB on), so the biggest can be reset.
+        "buffer_factory_config": {"minimum_account_to_track_power_of_two": 20},
+    }  # fmt: skip
+
+
 def render_bootstrap(s: EnvoySettings) -> dict:
     """The whole Envoy bootstrap as a dict (dump it as YAML or JSON)."""
     if not s.fleet:
@@ -306,11 +398,22 @@ def render_bootstrap(s: EnvoySettings) -> dict:
                 "typed_config": {"@type": _EARLY_MUTATION, "mutations": [{"remove": h} for h in KVGATE_HEADERS]},
             }
         ],
+        # One spelling per path before routing: kvgate's routes see what the engine will serve.
+        "normalize_path": True,
+        "merge_slashes": True,
+        "path_with_escaped_slashes_action": "UNESCAPE_AND_REDIRECT",
+        # A client that trickles headers or a body is cut off; a generation is not (the route's
+        # timeout bounds it, and a non-streamed answer may be silent for all of it).
+        "request_headers_timeout": _seconds(s.request_headers_timeout_s),
+        "request_timeout": _seconds(s.request_timeout_s),
+        "stream_idle_timeout": _seconds(s.route_timeout_s),
+        "common_http_protocol_options": {"idle_timeout": "300s", "max_headers_count": 100},
         "route_config": {"name": "fleet", "virtual_hosts": [{"name": "fleet", "domains": ["*"], "routes": _routes(s)}]},
         "http_filters": _http_filters(s),
     }
     return {
         "admin": {"address": _socket(s.admin_address)},
+        "overload_manager": _overload_manager(s),
         "static_resources": {
             "listeners": [
                 {

@@ -101,6 +101,8 @@ def test_readyz_reports_the_tokenizer_and_the_directory(gw: Gateway) -> None:
     status, body = get_json(gw.url("/readyz"))
     assert status == 200 and body["ready"] is True
     assert body["tokenizer"]["loaded"] is True and body["tokenizer"]["vocab"] > 100_000
+    assert body["tokenizer"]["source"].endswith("tokenizer.json")
+    assert body["tokenizer"]["chat_template"] == "default (deepseek_chat.jinja)"  # the template kvgate renders with
     assert body["directory"] == "ok" and body["live_nodes"] == 2
     assert get_json(gw.url("/healthz")) == (200, {"status": "ok"})
 

@@ -20,6 +20,47 @@ def test_envoy_accepts_the_rendered_bootstrap(tmp_path: Path, envoy_bin: str, in
     cfg.write_text(render_yaml(EnvoySettings(fleet=FLEET, integration=integration)))
     out = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(cfg)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert "Deprecated field" not in out.stdout + out.stderr  # ext_authz's allowed_headers moved
+
+
+@pytest.mark.parametrize("integration", ["ext_proc", "ext_authz", "none"])
+def test_every_bootstrap_normalises_paths_and_limits_clients(integration: str) -> None:
+    """The settings tests/test_envoy_hardening.py attacks, present whatever the integration."""
+    s = EnvoySettings(fleet=FLEET, integration=integration, route_timeout_s=900, max_heap_bytes=512 << 20)
+    boot = render_bootstrap(s)
+    hcm = _hcm(boot)
+    assert hcm["normalize_path"] is True and hcm["merge_slashes"] is True
+    assert hcm["path_with_escaped_slashes_action"] == "UNESCAPE_AND_REDIRECT"
+    assert hcm["request_headers_timeout"] == "10.000s" and hcm["request_timeout"] == "60.000s"
+    assert hcm["stream_idle_timeout"] == "900.000s"  # a silent non-streamed generation is not cut
+    overload = boot["overload_manager"]
+    heap = next(m for m in overload["resource_monitors"] if m["name"].endswith("fixed_heap"))
+    assert heap["typed_config"]["max_heap_size_bytes"] == 512 << 20
+    conns = next(m for m in overload["resource_monitors"] if m["name"].endswith("global_downstream_max_connections"))
+    assert conns["typed_config"]["max_active_downstream_connections"] == 4096
+    actions = {a["name"] for a in overload["actions"]}
+    assert "envoy.overload_actions.reset_high_memory_stream" in actions
+    assert "envoy.overload_actions.stop_accepting_requests" in actions
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    assert routes[-2]["direct_response"]["status"] == 404  # lookalike inference paths, before the catch-all
+
+
+def test_circuit_breakers_are_sized_from_the_fleet() -> None:
+    """Envoy's default (1,024 requests a cluster) overflows with ~8 busy engines: 256 a node."""
+    small = render_bootstrap(EnvoySettings(fleet=FLEET))
+    big = render_bootstrap(EnvoySettings(fleet=["vllm.llm.svc.cluster.local:8000"], fleet_size=40))
+    for boot, limit in ((small, 1024), (big, 40 * 256)):
+        for c in boot["static_resources"]["clusters"]:
+            if c["name"] in ("fleet", "kvgate_destination"):
+                (t,) = c["circuit_breakers"]["thresholds"]
+                assert t["max_requests"] == t["max_pending_requests"] == t["max_connections"] == limit
+
+
+def test_destination_cluster_detects_outliers() -> None:
+    """Per-node 5xx/reset counts for the cluster kvgate chooses hosts in (ext_authz sees no answer)."""
+    clusters = {c["name"]: c for c in render_bootstrap(EnvoySettings(fleet=FLEET))["static_resources"]["clusters"]}
+    od = clusters["kvgate_destination"]["outlier_detection"]
+    assert od["consecutive_5xx"] == 3 and od["consecutive_gateway_failure"] == 2
 
 
 def test_shipped_example_equals_the_renderer() -> None:

@@ -237,6 +237,12 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
         lb_policy=e.get("lbPolicy", "LEAST_REQUEST"),
         retries=e.get("retries", 2),
         health_check_interval_ms=e.get("healthCheckIntervalMs", 1000),
+        request_headers_timeout_s=float(e.get("requestHeadersTimeoutSeconds", 10)),
+        request_timeout_s=float(e.get("requestTimeoutSeconds", 60)),
+        max_connections=e.get("maxConnections", 4096),
+        max_heap_bytes=e.get("maxHeapBytes", 768 << 20),
+        max_requests_per_node=e.get("circuitBreakers", {}).get("maxRequestsPerEngine", 256),
+        fleet_size=e.get("circuitBreakers", {}).get("engines", 0) or len(values.get("fleet", {}).get("static", [])) or 32,
     )
 
 
@@ -268,6 +274,7 @@ def test_envoy_accepts_the_chart_bootstrap(chart: Any, envoy_bin: str, tmp_path:
         path.write_text(one(render(chart, VALUE_SETS[name]), "ConfigMap", "-envoy")["data"]["envoy.yaml"])
         out = subprocess.run([envoy_bin, "--mode", "validate", "-c", str(path)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        assert "Deprecated field" not in out.stdout + out.stderr  # ext_authz's allowed_headers moved
 
 
 # --- the gateway pod ------------------------------------------------------------------------------

@@ -39,10 +39,17 @@ def keys_of(tok: PromptTokenizer, path: str, body: dict) -> list[int]:
 
 class Stack:
     def __init__(
-        self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc"
+        self,
+        tmp: Path,
+        envoy_bin: str,
+        redis_url: str,
+        key_prefix: str,
+        integration: str = "ext_proc",
+        **envoy_settings: object,  # EnvoySettings fields to change (limits under test)
     ) -> None:
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
         self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
+        self.envoy_settings = envoy_settings
         try:
             self._start(envoy_bin, integration)
         except BaseException:
@@ -84,6 +91,7 @@ class Stack:
                 admin_address=f"127.0.0.1:{free_port()}",
                 max_body_bytes=256 << 10,
                 message_timeout_ms=2000,
+                **self.envoy_settings,  # type: ignore[arg-type]
             ),
             tmp,
         ))
