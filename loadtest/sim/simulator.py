@@ -19,9 +19,10 @@ index stride, so the policy sees what ``kvgate serve`` would see. ``view="engine
 from the engines' caches directly by the same rules (longest cached prefix per node, loads from
 the directory's reservations) without the stride sampling: exact, and faster on huge traces.
 
-The ``oracle`` policy is the ceiling: an infinite shared cache. Every block any node computed
-before is a hit: the chosen node (least loaded) is given the request's already-seen prefix at no
-cost before it runs.
+Two ceilings route to the least loaded node and give it the request's prefix at no cost before
+it runs: ``oracle``, an infinite shared cache (every block any node computed before is a hit),
+and ``oracle_pool``, one LRU memory of the fleet's total capacity (``pool.py``): the right
+ceiling when memory binds.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from gateway.decision_round import Round, answer_tokens, decide_round, routing_r
 from gateway.policy import make_policy
 from gateway.profile import HardwareProfile
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
-from loadtest.policies import ORACLE
+from loadtest.policies import ORACLE, ORACLE_POOL
 from loadtest.records import RequestRecord
 from loadtest.sim.feed import DirectoryFeed
 from loadtest.sim.node import SimNode
+from loadtest.sim.pool import PooledMemory
 from loadtest.sim.sync import run_now
 from loadtest.workloads.base import RequestSpec, Session, Workload
 from tokenizer import PromptTokenizer
@@ -128,7 +130,9 @@ class Simulator:
             run_now(self.directory.register_node(n.info))
         self.feeds = {n.node_id: DirectoryFeed(n.node_id, self.directory, model=workload.model, block_size=self.bs)
                       for n in self.nodes}
-        self.oracle = config.policy == ORACLE
+        self.oracle = config.policy in (ORACLE, ORACLE_POOL)
+        # the oracle's cache: every block any node computed (unbounded), or the fleet-sized pool
+        self.pool = PooledMemory(capacity * config.nodes) if config.policy == ORACLE_POOL else None
         if self.oracle:
             self.policy = make_policy("least_request")
         elif config.policy in ("kvgate", "kvgate_nopull") and config.pull_link:
@@ -233,11 +237,14 @@ class Simulator:
         ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
 
         if self.oracle:
-            seen = 0
-            for h in sim.hashes[:cap]:
-                if h not in self.seen_hashes:
-                    break
-                seen += 1
+            if self.pool is not None:
+                seen = self.pool.hit(sim.hashes[:cap])
+            else:
+                seen = 0
+                for h in sim.hashes[:cap]:
+                    if h not in self.seen_hashes:
+                        break
+                    seen += 1
             if seen:
                 _, events = node.insert_prefix(sim, seen, now)
                 self._events(node, events)
@@ -289,7 +296,10 @@ class Simulator:
         if self.oracle:
             for ev in events:
                 if isinstance(ev, BlocksStored):
-                    self.seen_hashes.update(ev.block_hashes)
+                    if self.pool is not None:
+                        self.pool.store(ev.block_hashes)
+                    else:
+                        self.seen_hashes.update(ev.block_hashes)
         if self.cfg.view == "directory":
             self.feeds[node.node_id].apply(events)
 
