@@ -36,24 +36,22 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import msgspec
 import numpy as np
-import xxhash
 
 from directory_client.types import (
     Directory,
     DirectoryUnavailable,
     DirectoryView,
-    NodeLoad,
     Reservation,
     ReservationConflict,
 )
 from gateway import metrics
-from gateway.answer_budget import answer_budget
 from gateway.decision_log import DecisionLog
+from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
@@ -68,9 +66,6 @@ T = TypeVar("T")
 Hold = Literal["until_release", "estimate"]
 """How long a routed request's load is held: until ``release`` (the response end is seen), or
 for the decision's estimate of its service time (it never is)."""
-
-DEFAULT_ANSWER_TOKENS = 256  # answer length assumed when a request sets no max_tokens
-MIN_HOLD_S = 0.005  # floor of every time estimate: a prefill never stops counting at once
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -88,8 +83,8 @@ class RoutingLimits:
     lookup_timeout_s: float = 0.025
     max_prompt_bytes: int = 1 << 20  # rendered prompt text beyond this is passed through untokenized
     head_chars: int = 8192  # fresh text beyond this is first routed on its head (0: always tokenize all)
-    max_answer_tokens: int = 8192  # ceiling of the answer budget a request's load is estimated with
-    max_hold_s: float = 300.0  # a load held for an estimate (ext_authz) ends this long after at the latest
+    max_answer_tokens: int = MAX_ANSWER_TOKENS  # ceiling of the answer budget a request's load is estimated with
+    max_hold_s: float = MAX_HOLD_S  # a load held for an estimate (ext_authz) ends this long after at the latest
 
 
 @dataclass(slots=True)
@@ -155,6 +150,7 @@ class RoutingCore:
         *,
         decision_log: DecisionLog | None = None,
         tracer: DecisionTracer | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
@@ -165,6 +161,7 @@ class RoutingCore:
         self._tasks: set[asyncio.Task] = set()
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
+        self.clock = clock  # the time a decision is made at (the simulator's is virtual)
 
     async def route(
         self, path: str, body: bytes, request_id: str = "", traceparent: str = "", *, sees_response_end: bool = True
@@ -243,16 +240,11 @@ class RoutingCore:
             )
         seed = request_seed(prompt.model, cache_salt=prompt.cache_salt, adapters=lim.lora_adapters)
         keys = self.keys.block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
-        request = RoutingRequest(
-            model=prompt.model,
-            prompt_tokens=n_tokens,
-            total_blocks=len(keys),
-            block_size=lim.block_size,
-            request_id=request_id,
-            affinity=int(keys[-1]) if len(keys) else seed ^ xxhash.xxh3_64_intdigest(prompt.token_ids.tobytes()),
+        request = routing_request(
+            prompt.model, prompt.token_ids, keys, block_size=lim.block_size, seed=seed, request_id=request_id
         )
         t2 = time.perf_counter()
-        decided = await self._decide(request, keys)
+        decided = await self._decide(request, keys, self._answer_tokens(req, request))
         return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
 
     async def _route_by_head(
@@ -287,7 +279,7 @@ class RoutingCore:
             affinity=int(keys[-1]),
         )
         t2 = time.perf_counter()
-        decided = await self._decide(request, keys)
+        decided = await self._decide(request, keys, self._answer_tokens(req, request))
         view = decided.view
         if view is not None and (
             view.answerable_blocks < 0 or any(nv.cached_blocks >= view.answerable_blocks for nv in view.nodes)
@@ -322,7 +314,6 @@ class RoutingCore:
     ) -> RouteResult:
         """Reserve the chosen node's load (``hold`` None: do not) and build the answer."""
         t0, t1, t2 = marks
-        n_tokens = request.prompt_tokens
         t3, t4 = decided.looked_up, time.perf_counter()
         timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
         if decided.view is None:  # the lookup failed: nothing was scored
@@ -332,41 +323,39 @@ class RoutingCore:
             decided.failed.request = request
             decided.failed.timings = timings
             return decided.failed
-        decision = decided.decision
-        assert decision is not None and decision.node is not None
-
-        estimates = self._estimates(decided, req, n_tokens)
+        assert decided.round is not None
+        rnd = decided.round
         reservation = None
         if hold is not None:
             try:
-                reservation = await self._reserve(decided, n_tokens, hold, estimates)
+                reservation = await self._reserve(rnd, hold)
             except ReservationConflict:
                 # Another replica took the node this decision saw idle: decide again on a fresh
                 # view (its load now counted) and take that node whatever happens next.
                 metrics.RESERVATION_CONFLICTS.inc()
-                again = await self._decide(request, keys)
+                again = await self._decide(request, keys, self._answer_tokens(req, request))
                 if again.failed is None:
-                    decided, decision = again, again.decision
-                    assert decision is not None and decision.node is not None
-                    estimates = self._estimates(decided, req, n_tokens)
-                    reservation = await self._reserve(decided, n_tokens, hold, estimates, conditional=False)
+                    assert again.round is not None
+                    rnd = again.round
+                    reservation = await self._reserve(rnd, hold, conditional=False)
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
             timings["reserve"] = time.perf_counter() - t4
 
+        decision = rnd.decision
         headers = [(DESTINATION_HEADER, decision.destination_header)]
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
-        ttft_s, service_s = estimates
         return RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
-            request=request, ttft_s=ttft_s, service_s=service_s, sees_end=hold != "estimate",
+            request=request, ttft_s=rnd.ttft_s, service_s=rnd.service_s, sees_end=hold != "estimate",
         )
 
-    async def _decide(self, request: RoutingRequest, keys: np.ndarray) -> _Decided:
-        """Directory lookup under the configured timeout, then the policy (pure, no I/O)."""
+    async def _decide(self, request: RoutingRequest, keys: np.ndarray, answer: int) -> _Decided:
+        """Directory lookup under the configured timeout, then the decision round (pure, no I/O)
+        for an answer budget of ``answer`` tokens."""
         t = time.perf_counter()
         try:
             view = await self._bounded(self.directory.lookup(keys))
@@ -378,47 +367,40 @@ class RoutingCore:
             return _Decided(None, None, done, _fail_open("directory_unavailable"))
         done = time.perf_counter()
         metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
-        decision = self.policy.decide(request, view, self.profile, now=time.monotonic())
-        if decision.node is None:
-            return _Decided(view, decision, done, RouteResult("fail_open", decision=decision, reason="no_live_node"))
-        return _Decided(view, decision, done, None)
+        rnd = decide_round(
+            self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer, max_hold_s=self.limits.max_hold_s
+        )
+        if rnd.decision.node is None:
+            failed = RouteResult("fail_open", decision=rnd.decision, reason="no_live_node")
+            return _Decided(view, rnd, done, failed)
+        return _Decided(view, rnd, done, None)
 
-    async def _reserve(
-        self,
-        decided: _Decided,
-        n_tokens: int,
-        hold: Hold,
-        estimates: tuple[float, float],
-        *,
-        conditional: bool = True,
-    ) -> Reservation:
+    async def _reserve(self, rnd: Round, hold: Hold, *, conditional: bool = True) -> Reservation:
         """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup.
 
         Its prompt stops counting as queued prefill at the policy's estimate of the first token:
         the node is still busy decoding it, but a prompt already prefilled must not make the owner
         look queued to the next turn of the same conversation (that is what sent follow-up turns
-        away from their cache). No integration sees the first token, so the estimate stands in
-        (``estimates``: seconds to the first token and to the last, from ``_estimates``).
+        away from their cache). No integration sees the first token, so the estimate stands in.
         """
-        decision = decided.decision
-        assert decision is not None and decision.node is not None
-        ttft_s, service_s = estimates
+        node = rnd.decision.node
+        assert node is not None
         return await self._bounded(
             self.directory.reserve(
-                decision.node.node_id,
-                n_tokens - decision.expected_cached_tokens,
-                if_inflight_at_most=decided.chosen_load(decision).inflight if conditional else None,
-                first_token_s=ttft_s,
-                hold_s=service_s if hold == "estimate" else None,
+                node.node_id,
+                rnd.prefill_tokens,
+                if_inflight_at_most=rnd.seen_load.inflight if conditional else None,
+                first_token_s=rnd.ttft_s,
+                hold_s=rnd.service_s if hold == "estimate" else None,
             )
         )
 
-    def _estimates(self, decided: _Decided, req: dict, n_tokens: int) -> tuple[float, float]:
-        """The policy's estimates for the chosen node: seconds to the first token and to the last."""
-        decision = decided.decision
-        assert decision is not None
-        ttft_s = min(_estimated_ttft_s(decision), self.limits.max_hold_s)
-        return ttft_s, min(ttft_s + self._decode_s(req, n_tokens, decided.chosen_load(decision)), self.limits.max_hold_s)
+    def _answer_tokens(self, req: dict, request: RoutingRequest) -> int:
+        """The answer budget the request's load is estimated with, clamped by the limits."""
+        lim = self.limits
+        return answer_tokens(
+            req, request.prompt_tokens, context_tokens=lim.max_prompt_tokens, ceiling=lim.max_answer_tokens
+        )
 
     async def _bounded(self, operation: Awaitable[T]) -> T:
         """A directory call under the lookup timeout; an in-process directory needs none."""
@@ -426,14 +408,6 @@ class RoutingCore:
             return await operation
         async with asyncio.timeout(self.limits.lookup_timeout_s):  # no task, unlike wait_for
             return await operation
-
-    def _decode_s(self, req: dict, n_tokens: int, load: NodeLoad) -> float:
-        """Modelled decode time of the answer: its (clamped) token budget at the node's current batch size."""
-        lim = self.limits
-        budget = answer_budget(
-            req, n_tokens, context_tokens=lim.max_prompt_tokens, ceiling=lim.max_answer_tokens, default=DEFAULT_ANSWER_TOKENS
-        )
-        return budget * self.profile.decode_step_seconds(load.inflight + 1, n_tokens)
 
     async def release(self, result: RouteResult) -> None:
         """Give back the load a routed request took; called when its response has ended (or,
@@ -456,27 +430,12 @@ class RoutingCore:
 
 @dataclass(slots=True)
 class _Decided:
-    """One lookup + policy round: the view it saw, its decision, or why it failed open."""
+    """One lookup + decision round: the view it saw, the round, or why it failed open."""
 
     view: DirectoryView | None
-    decision: Decision | None
+    round: Round | None
     looked_up: float  # perf_counter when the lookup answered
     failed: RouteResult | None
-
-    def chosen_load(self, decision: Decision) -> NodeLoad:
-        """The chosen node's load as the lookup saw it (what compare-and-reserve compares)."""
-        assert self.view is not None and decision.node is not None
-        for nv in self.view.nodes:
-            if nv.node.node_id == decision.node.node_id:
-                return nv.load
-        return NodeLoad()
-
-
-def _estimated_ttft_s(decision: Decision) -> float:
-    """The policy's own estimate for the chosen node (queue + transfer + prefill)."""
-    assert decision.node is not None
-    own = [c.total_s for c in decision.candidates if c.node_id == decision.node.node_id]
-    return max(min(own, default=0.0), MIN_HOLD_S)
 
 
 def _log_decision(result: RouteResult) -> None:

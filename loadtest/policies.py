@@ -10,7 +10,9 @@ In ``replay`` every policy is a real gateway in front of the same engines:
 
 In ``simulate`` the names are ``gateway.policy.POLICY_NAMES`` (the same classes ``kvgate serve``
 runs; ``round_robin`` and ``least_request`` are then kvgate's implementations of them) plus
-``oracle``: an infinite shared cache, every block computed before anywhere is a hit — the ceiling.
+``oracle``: an infinite shared cache, every block computed before anywhere is a hit, and
+``oracle_pool``: one LRU memory of the fleet's total KV capacity — the ceiling when memory binds
+(reports show every policy's hit rate as % of it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ REPLAY_POLICIES: dict[str, ReplayGateway] = {
 }
 
 ORACLE = "oracle"
-SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, ORACLE)
+ORACLE_POOL = "oracle_pool"
+SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, ORACLE, ORACLE_POOL)
 
 
 def parse_policies(text: str, allowed: tuple[str, ...] | list[str]) -> list[str]:

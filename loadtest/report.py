@@ -47,7 +47,9 @@ def results_table(result: Mapping[str, Any], title: str = "") -> Table:
     policies = result["policies"]
     turn = focus_turn(policies)
     t = Table(title=title or None, title_justify="left")
-    cols = ["policy", "requests", "errors", "hit rate", "pulled", "redundant\nprefill",
+    pooled = any("hit_rate_of_oracle_pool" in s for s in policies.values())
+    cols = ["policy", "requests", "errors", "hit rate", *(["% of\noracle_pool"] if pooled else []), "pulled",
+            "redundant\nprefill",
             "TTFT p50\nms", "TTFT p90\nms", "TTFT p99\nms"]
     if turn is not None:
         cols += [f"turn {turn}\np50 ms"]
@@ -56,8 +58,11 @@ def results_table(result: Mapping[str, Any], title: str = "") -> Table:
         t.add_column(c, justify="left" if c == "policy" else "right")
     for name, s in policies.items():
         dec = "-" if s.get("decision_p50_ms") is None else f"{_ms(s['decision_p50_ms'])}/{_ms(s['decision_p99_ms'])}"
-        row = [name, str(s["requests"]), str(s["errors"]), _pct(s["hit_rate"]), _pct(s["hit_rate_pulled"]),
-               _pct(s["redundant_prefill_frac"]), _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]), _ms(s["ttft_p99_ms"])]
+        row = [name, str(s["requests"]), str(s["errors"]), _pct(s["hit_rate"])]
+        if pooled:
+            row.append(_pct(s.get("hit_rate_of_oracle_pool")))
+        row += [_pct(s["hit_rate_pulled"]), _pct(s["redundant_prefill_frac"]),
+                _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]), _ms(s["ttft_p99_ms"])]
         if turn is not None:
             row.append(_ms(turn_p50(s, turn)))
         imb = "-" if s.get("imbalance") is None else f"{s['imbalance']:.2f}"

@@ -21,7 +21,7 @@ from loadtest.policies import SIM_POLICIES, parse_policies
 from loadtest.replay import add_run_args, emit
 from loadtest.report import wide_console
 from loadtest.sim.simulator import SimConfig, Simulator
-from loadtest.summary import summarize, ttft_samples_ms
+from loadtest.summary import add_pool_share, summarize, ttft_samples_ms
 from loadtest.workload_args import add_workload_args, build_workload
 from tokenizer import PromptTokenizer
 
@@ -33,7 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     add_run_args(p)
     p.set_defaults(duration=float("inf"))
     f = p.add_argument_group("simulated fleet")
-    f.add_argument("--policies", default="round_robin,least_request,kvgate,oracle",
+    f.add_argument("--policies", default="round_robin,least_request,prefix_only,kvgate,oracle,oracle_pool",
                    help=f"comma-separated, from: {', '.join(SIM_POLICIES)}")
     f.add_argument("--nodes", type=int, default=16, help=f"1..{MAX_NODES}")
     f.add_argument("--profile", default="llama-3.1-8b-h100")
@@ -96,6 +96,7 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
         )
         samples[name] = ttft_samples_ms(res.records)
         console.print(f"{name}: simulated {res.wall_s:,.0f} s of fleet time in {res.cpu_s:.1f} s")
+    add_pool_share(result["policies"])
     return result, samples
 
 

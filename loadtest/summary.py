@@ -8,7 +8,9 @@ Definitions:
 - TTFT percentiles over successful requests, overall and per turn (1-based);
 - ``throughput_tok_s`` = output tokens ÷ wall time of the run, ``requests_per_s`` likewise;
 - ``imbalance`` = max ÷ mean over nodes of busy time (modelled GPU seconds; request counts when
-  busy time is not known), 1.0 = perfectly even.
+  busy time is not known), 1.0 = perfectly even;
+- ``hit_rate_of_oracle_pool`` = hit rate ÷ the ``oracle_pool`` ceiling's hit rate in the same run
+  (simulate, when that ceiling ran).
 """
 
 from __future__ import annotations
@@ -104,6 +106,15 @@ def summarize(
     if extra:
         out.update(extra)
     return out
+
+
+def add_pool_share(policies: Mapping[str, dict[str, Any]], ceiling: str = "oracle_pool") -> None:
+    """Give every policy its hit rate as a fraction of the ``ceiling``'s (nothing without it)."""
+    pool = policies.get(ceiling)
+    if pool is None or not pool["hit_rate"]:
+        return
+    for s in policies.values():
+        s["hit_rate_of_oracle_pool"] = s["hit_rate"] / pool["hit_rate"]
 
 
 def ttft_samples_ms(records: Sequence[RequestRecord]) -> list[float]:

@@ -99,3 +99,64 @@ def test_simulate_command_writes_json(tmp_path, tok) -> None:
     for s in data["policies"].values():
         assert s["requests"] == 8 and s["errors"] == 0
     assert data["policies"]["oracle"]["hit_rate"] >= data["policies"]["least_request"]["hit_rate"]
+
+
+def test_pooled_memory_is_an_lru_that_evicts_a_prefix_tail_first() -> None:
+    from loadtest.sim.pool import PooledMemory
+
+    pool = PooledMemory(4)
+    pool.store([1, 2, 3])
+    assert pool.hit([1, 2, 9]) == 2
+    pool.store([7, 8])  # 5 blocks for 4 places: the least recent goes, the tail of 1-2-3 (3)
+    assert 3 not in pool and len(pool) == 4
+    assert pool.hit([1, 2, 3]) == 2
+    pool.store([5])  # 7 and 8 were touched after 1, 2: 8 (their tail) is now the oldest
+    assert 8 not in pool and 7 in pool and pool.hit([1, 2]) == 2
+    with pytest.raises(ValueError):
+        PooledMemory(0)
+
+
+def test_oracle_pool_is_the_infinite_oracle_while_memory_suffices_and_below_it_when_it_binds(tok) -> None:
+    crowd = chat_workload(conversations=16, turns=3, count_tokens=lambda s: len(tok.encode_text(s, add_special_tokens=False)),
+                          model="sim-model", rate_per_s=8.0, doc_tokens=(1000, 1500), think_s=(2.0, 3.0),
+                          max_tokens=32, seed=4)
+
+    def hit(policy: str, kv_blocks: int | None) -> float:
+        cfg = SimConfig(policy=policy, nodes=4, profile=load_profile("llama-3.1-8b-h100"), capacity_blocks=kv_blocks)
+        res = Simulator(crowd, cfg, tok).run()
+        s = summarize(res.records, wall_s=res.wall_s)
+        assert s["errors"] == 0
+        return s["hit_rate"]
+
+    assert hit("oracle_pool", None) == pytest.approx(hit("oracle", None))
+    # 16 chats of 1-1.5k-token documents (~80 blocks each) live at once on 4 nodes of 150 blocks:
+    # the pool holds 600 of the ~1,300 blocks they need
+    tight_pool, tight_oracle = hit("oracle_pool", 150), hit("oracle", 150)
+    assert tight_pool < tight_oracle - 0.05
+    assert tight_pool > hit("round_robin", 150)
+
+
+def test_every_report_shows_hit_rate_as_a_share_of_oracle_pool(tmp_path, tok) -> None:
+    import json
+
+    from loadtest import simulate_cmd
+    from loadtest.report import results_table, wide_console
+
+    p = argparse.ArgumentParser()
+    simulate_cmd.configure(p)
+    out = tmp_path / "sim.json"
+    args = p.parse_args(["--workload", "shared-prefix", "--groups", "2", "--prompts-per-group", "4",
+                         "--prefix-tokens", "600", "--nodes", "3", "--policies", "least_request,kvgate,oracle_pool",
+                         "--json", str(out), "--report", str(tmp_path / "report")])
+    assert simulate_cmd.run(args) == 0
+    data = json.loads(out.read_text())
+    pols = data["policies"]
+    assert pols["oracle_pool"]["hit_rate_of_oracle_pool"] == 1.0
+    for s in pols.values():
+        assert s["hit_rate_of_oracle_pool"] == pytest.approx(s["hit_rate"] / pols["oracle_pool"]["hit_rate"])
+    console = wide_console()
+    with console.capture() as cap:
+        console.print(results_table(data))
+    kv_share = f"{100 * pols['kvgate']['hit_rate_of_oracle_pool']:.1f}%"
+    assert "oracle_pool" in cap.get() and kv_share in cap.get()
+    assert kv_share in (tmp_path / "report" / "index.html").read_text()

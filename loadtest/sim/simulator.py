@@ -1,13 +1,14 @@
 """Discrete-event simulation of a fleet behind one routing policy: no processes, no sleeping.
 
-What runs is production code: the gateway's policy (``make_policy(name).decide(..., now=t)``), the
+What runs is production code: the gateway's policy and decision round (``now`` = virtual time), the
 engines' ``PrefixCache`` + ``Scheduler`` (one ``SimNode`` each), the reply sampler and request
 validation of the simulated engine, the tokenizer and block keys of the gateway. The simulator
 owns only the clock and the event queue:
 
-- a session's turn *arrives* → the request is tokenized, looked up, decided, its load reserved
-  (as ``RoutingCore`` does), and handed to the chosen node (after the transfer time when the
-  decision pulls);
+- a session's turn *arrives* → the request is tokenized and looked up, then decided and its load
+  reserved by the gateway's own decision round (``gateway.decision_round``, the one
+  ``RoutingCore`` runs: the prefill stops counting at the estimated first token, the rest at the
+  request's end), and handed to the chosen node (after the transfer time when it pulls);
 - a node runs one scheduler step at a time; a step's *end* applies it (``Scheduler.complete``),
   records first tokens and finished requests, releases their load, feeds the cache events to the
   directory, and schedules the session's next turn after its think time.
@@ -18,9 +19,10 @@ index stride, so the policy sees what ``kvgate serve`` would see. ``view="engine
 from the engines' caches directly by the same rules (longest cached prefix per node, loads from
 the directory's reservations) without the stride sampling: exact, and faster on huge traces.
 
-The ``oracle`` policy is the ceiling: an infinite shared cache. Every block any node computed
-before is a hit: the chosen node (least loaded) is given the request's already-seen prefix at no
-cost before it runs.
+Two ceilings route to the least loaded node and give it the request's prefix at no cost before
+it runs: ``oracle``, an infinite shared cache (every block any node computed before is a hit),
+and ``oracle_pool``, one LRU memory of the fleet's total capacity (``pool.py``): the right
+ceiling when memory binds.
 """
 
 from __future__ import annotations
@@ -36,16 +38,17 @@ import numpy as np
 from directory_client.memory import InProcessDirectory
 from directory_client.sampling import DEFAULT_INDEX_STRIDE
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Reservation, Tier
+from gateway.decision_round import Round, answer_tokens, decide_round, routing_request
 from gateway.policy import make_policy
 from gateway.profile import HardwareProfile
-from gateway.types import RoutingRequest
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
-from loadtest.policies import ORACLE
+from loadtest.policies import ORACLE, ORACLE_POOL
 from loadtest.records import RequestRecord
 from loadtest.sim.feed import DirectoryFeed
 from loadtest.sim.node import SimNode
+from loadtest.sim.pool import PooledMemory
 from loadtest.sim.sync import run_now
-from loadtest.workloads.base import Session, Workload
+from loadtest.workloads.base import RequestSpec, Session, Workload
 from tokenizer import PromptTokenizer
 from tokenizer.keys import namespace_seed
 from workers.engine.kv_cache import BlocksStored, CacheEvent, root_hash
@@ -127,7 +130,9 @@ class Simulator:
             run_now(self.directory.register_node(n.info))
         self.feeds = {n.node_id: DirectoryFeed(n.node_id, self.directory, model=workload.model, block_size=self.bs)
                       for n in self.nodes}
-        self.oracle = config.policy == ORACLE
+        self.oracle = config.policy in (ORACLE, ORACLE_POOL)
+        # the oracle's cache: every block any node computed (unbounded), or the fleet-sized pool
+        self.pool = PooledMemory(capacity * config.nodes) if config.policy == ORACLE_POOL else None
         if self.oracle:
             self.policy = make_policy("least_request")
         elif config.policy in ("kvgate", "kvgate_nopull") and config.pull_link:
@@ -145,6 +150,7 @@ class Simulator:
         self.prompt_seen = SeenBlocks()
         self.last_finish = 0.0
         self._pending: dict[str, _Ctx] = {}  # request_id -> context, while on a node
+        self.on_round: Callable[[RequestSpec, Round], None] | None = None  # sees each round before its reservation
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -217,22 +223,28 @@ class Simulator:
         rec.seen_tokens = min(self.prompt_seen.observe(sim.keys[:prompt_blocks]), cap) * bs
 
         t0 = time.perf_counter()
-        view = self._view(sim, prompt_blocks)
-        request = RoutingRequest(model=model, prompt_tokens=n, total_blocks=prompt_blocks, block_size=bs,
-                                 request_id=sim.request_id)
-        decision = self.policy.decide(request, view, self.profile, now=now)
+        keys = sim.keys[:prompt_blocks]
+        view = self._view(sim, keys)
+        request = routing_request(model, ids, keys, block_size=bs, seed=self.key_seed, request_id=sim.request_id)
+        rnd = decide_round(self.policy, request, view, self.profile, now=now, answer_tokens=answer_tokens(spec.body))
         self.decision_s.append(time.perf_counter() - t0)
+        decision = rnd.decision
         assert decision.node is not None, "the simulated fleet always has live nodes"
+        if self.on_round is not None:
+            self.on_round(spec, rnd)
         node = self.by_id[decision.node.node_id]
-        reservation = run_now(self.directory.reserve(node.node_id, max(n - decision.expected_cached_tokens, 0)))
+        reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s))
         ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
 
         if self.oracle:
-            seen = 0
-            for h in sim.hashes[:cap]:
-                if h not in self.seen_hashes:
-                    break
-                seen += 1
+            if self.pool is not None:
+                seen = self.pool.hit(sim.hashes[:cap])
+            else:
+                seen = 0
+                for h in sim.hashes[:cap]:
+                    if h not in self.seen_hashes:
+                        break
+                    seen += 1
             if seen:
                 _, events = node.insert_prefix(sim, seen, now)
                 self._events(node, events)
@@ -248,11 +260,11 @@ class Simulator:
                 return
         self._submit(ctx)
 
-    def _view(self, sim: SimRequest, prompt_blocks: int) -> DirectoryView:
+    def _view(self, sim: SimRequest, keys: np.ndarray) -> DirectoryView:
         if self.cfg.view == "directory":
-            return run_now(self.directory.lookup(sim.keys[:prompt_blocks]))
+            return run_now(self.directory.lookup(keys))
         loads = run_now(self.directory.loads())
-        hashes = sim.hashes[:prompt_blocks]
+        hashes = sim.hashes[: len(keys)]
         idle = NodeLoad()
         return DirectoryView(tuple(
             NodeView(n.info, n.cache.match(hashes), Tier.GPU, loads.get(n.node_id, idle), len(n.cache))
@@ -284,7 +296,10 @@ class Simulator:
         if self.oracle:
             for ev in events:
                 if isinstance(ev, BlocksStored):
-                    self.seen_hashes.update(ev.block_hashes)
+                    if self.pool is not None:
+                        self.pool.store(ev.block_hashes)
+                    else:
+                        self.seen_hashes.update(ev.block_hashes)
         if self.cfg.view == "directory":
             self.feeds[node.node_id].apply(events)
 

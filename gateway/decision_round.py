@@ -1,0 +1,98 @@
+"""One decision round without the lookup: decide, estimate, and say what to reserve until when.
+
+``RoutingCore`` (the request path) and the load-test simulator both call ``decide_round`` on the
+view their directory lookup returned, so a simulated fleet is routed by exactly the rules a real
+one is: the same request (prompt-hash affinity included), the same policy call, the same time
+estimates, the same reservation (queued prefill released at the estimated first token). Pure: no
+I/O, the time is passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from directory_client.types import DirectoryView, NodeLoad
+from gateway.profile import HardwareProfile
+from gateway.types import Decision, RoutingRequest
+
+DEFAULT_ANSWER_TOKENS = 256  # answer length assumed when a request sets no max_tokens
+MIN_HOLD_S = 0.005  # floor of every time estimate: a prefill never stops counting at once
+MAX_ANSWER_TOKENS = 8192  # default ceiling of the answer budget a request's load is estimated with
+MAX_HOLD_S = 300.0  # default cap of every estimate: a load held on an estimate ends by then at the latest
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """A decision and what its reservation on the chosen node must say."""
+
+    decision: Decision
+    seen_load: NodeLoad  # the chosen node's load as the view showed it (compare-and-reserve compares)
+    prefill_tokens: int  # prompt tokens the chosen node computes: its queued prefill
+    ttft_s: float  # from now until the estimated first token: the prefill stops counting then
+    service_s: float  # from now until the estimated last token: the end, if it is never seen
+
+
+def routing_request(
+    model: str, token_ids: np.ndarray, keys: np.ndarray, *, block_size: int, seed: int, request_id: str = ""
+) -> RoutingRequest:
+    """What the policy is asked about a tokenized prompt.
+
+    Its affinity (the tie-breaker that spreads conversations and keeps one prompt on one node) is
+    the last block key, or for a prompt shorter than a block a hash of its tokens in the namespace.
+    """
+    affinity = int(keys[-1]) if len(keys) else seed ^ xxhash.xxh3_64_intdigest(np.ascontiguousarray(token_ids).tobytes())
+    return RoutingRequest(
+        model=model, prompt_tokens=len(token_ids), total_blocks=len(keys), block_size=block_size,
+        request_id=request_id, affinity=affinity,
+    )
+
+
+def answer_tokens(
+    body: Any, prompt_tokens: int = 0, *, context_tokens: int | None = None, ceiling: int = MAX_ANSWER_TOKENS
+) -> int:
+    """The answer budget a request's load is estimated with: ``max_completion_tokens`` or
+    ``max_tokens`` (else ``DEFAULT_ANSWER_TOKENS``), at most the context left after the prompt and
+    at most ``ceiling``; at least 1.
+
+    The budget is the client's to set, so it is never taken at face value: an engine stops at the
+    context length, and the ceiling bounds it for everyone. Without the clamps twenty ext_authz
+    requests asking for 10^12 tokens made a prefix owner look saturated for ten minutes.
+    """
+    budget = (body.get("max_completion_tokens") or body.get("max_tokens")) if isinstance(body, dict) else None
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+        budget = DEFAULT_ANSWER_TOKENS
+    if context_tokens is not None:
+        budget = min(budget, context_tokens - prompt_tokens)
+    return max(1, min(budget, ceiling))
+
+
+def decide_round(
+    policy: Any,  # gateway.policy.Policy
+    request: RoutingRequest,
+    view: DirectoryView,
+    profile: HardwareProfile,
+    *,
+    now: float,
+    answer_tokens: int,
+    max_hold_s: float = MAX_HOLD_S,
+) -> Round:
+    """The policy's decision on ``view`` and the reservation it implies.
+
+    The time to first token is the policy's own estimate for the chosen node (queue + transfer +
+    prefill); the service time adds the answer budget decoded at the node's batch size with this
+    request in it. With no node chosen every figure is zero.
+    """
+    decision = policy.decide(request, view, profile, now=now)
+    node = decision.node
+    if node is None:
+        return Round(decision, NodeLoad(), 0, 0.0, 0.0)
+    load = next((nv.load for nv in view.nodes if nv.node.node_id == node.node_id), NodeLoad())
+    own = [c.total_s for c in decision.candidates if c.node_id == node.node_id]
+    ttft_s = min(max(min(own, default=0.0), MIN_HOLD_S), max_hold_s)
+    n = request.prompt_tokens
+    decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + 1, n)
+    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, min(ttft_s + decode_s, max_hold_s))
