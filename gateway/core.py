@@ -50,6 +50,7 @@ from directory_client.types import (
     ReservationConflict,
 )
 from gateway import metrics
+from gateway.background_tokenize import BackgroundTokenizer
 from gateway.decision_log import DecisionLog
 from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
@@ -151,6 +152,7 @@ class RoutingCore:
         decision_log: DecisionLog | None = None,
         tracer: DecisionTracer | None = None,
         clock: Callable[[], float] = time.monotonic,
+        background: BackgroundTokenizer | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
@@ -158,7 +160,7 @@ class RoutingCore:
         self.profile = profile
         self.limits = limits
         self.keys = PrefixKeyCache()
-        self._tasks: set[asyncio.Task] = set()
+        self.background = background or BackgroundTokenizer(tokenizer)  # whole prompts after a head decision
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
         self.clock = clock  # the time a decision is made at (the simulator's is virtual)
@@ -262,8 +264,9 @@ class RoutingCore:
         If no node holds every block of the head that the lookup could report, each node's cached
         prefix of the whole prompt is exactly its prefix of the head (prefixes stop at the first
         missing block), so the policy would see the same view. The rest of the prompt is
-        tokenized after answering, to have it cached for the conversation's next turn. Returns
-        None when some node may hold more: the caller tokenizes everything and asks again.
+        tokenized in the background (``BackgroundTokenizer``), to have it cached for the
+        conversation's next turn. Returns None when some node may hold more: the caller
+        tokenizes everything and asks again.
         """
         lim = self.limits
         seed = request_seed(head.model, cache_salt=head.cache_salt, adapters=lim.lora_adapters)
@@ -287,21 +290,8 @@ class RoutingCore:
             return None
         if view is not None:
             metrics.HEAD_DECISIONS.inc()
-        self._tokenize_later(prepared)
+        self.background.submit(prepared)  # bounded; dropped (and counted) when full
         return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
-
-    def _tokenize_later(self, prepared: PreparedPrompt) -> None:
-        """Fill the token cache with the whole prompt off the request's path (its next turn needs it)."""
-
-        async def fill() -> None:
-            try:
-                await self.tokenizer.complete_async(prepared)
-            except InvalidPrompt:
-                pass  # e.g. a lone surrogate in the rest of the text: nothing to cache
-
-        task = asyncio.get_running_loop().create_task(fill())
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
 
     async def _answer(
         self,

@@ -136,6 +136,17 @@ HEAD_DECISIONS = Counter(
     "Long fresh prompts routed on their first blocks (no node held those), tokenized in full after answering",
     registry=REGISTRY,
 )
+BACKGROUND_TOKENIZE = Counter(
+    "kvgate_background_tokenize",
+    "Whole-prompt tokenizations after a head decision, by outcome: queued, dropped (queue full), "
+    "done (cached for the next turn), failed",
+    ["outcome"],
+    registry=REGISTRY,
+)
+BACKGROUND_TOKENIZE_PENDING = Gauge(
+    "kvgate_background_tokenize_pending", "Head-decided prompts waiting for or in background tokenization",
+    registry=REGISTRY,
+)
 RESERVATION_CONFLICTS = Counter(
     "kvgate_reservation_conflicts",
     "Decisions taken again because another replica loaded the chosen node between lookup and reserve",

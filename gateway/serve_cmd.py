@@ -29,6 +29,7 @@ from ext_proc.ext_authz import ExtAuthzService
 from ext_proc.server import build_server
 from gateway.admin import build_admin_app
 from gateway.admin_debug import DebugApi
+from gateway.background_tokenize import BackgroundTokenizer
 from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_log import DecisionLog
@@ -138,9 +139,12 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     )
     decision_log = DecisionLog(cfg.admin.decision_log_size) if cfg.admin.debug else None
     tracing = start_tracing(cfg)
+    background = BackgroundTokenizer(
+        tokenizer, worker=cfg.tokenizer.background_worker, max_pending=cfg.tokenizer.background_queue
+    )
     core = RoutingCore(
         tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg),
-        decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None,
+        decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None, background=background,
     )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
@@ -191,6 +195,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await bridge.aclose()
         await keeper.aclose()
         await directory.aclose()
+        background.close()
         if tracing is not None:
             await tracing.aclose()  # exports the spans still queued
 

@@ -109,11 +109,15 @@ class SegmentedEncoder:
         except TypeError as exc:  # the only str the Rust side refuses: one with lone surrogates
             raise InvalidPrompt("prompt text is not valid Unicode (it contains a lone surrogate)") from exc
 
-    def encode_pieces(self, texts: list[str]) -> list[np.ndarray]:
-        """Encode texts without special tokens and cache them. GIL released while encoding."""
+    def encode_texts(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode texts without special tokens, uncached. GIL released while encoding."""
         if not texts:
             return []
-        arrays = [_frozen(e.ids) for e in self._encode_batch(texts, add_special_tokens=False)]
+        return [_frozen(e.ids) for e in self._encode_batch(texts, add_special_tokens=False)]
+
+    def encode_pieces(self, texts: list[str]) -> list[np.ndarray]:
+        """Encode texts without special tokens and cache them."""
+        arrays = self.encode_texts(texts)
         self.cache.put_many(zip(texts, arrays))
         return arrays
 

@@ -212,6 +212,21 @@ class PromptTokenizer:
             return TokenizedPrompt(prepared.model, ids, cache_salt=prepared.cache_salt)
         return self.complete(prepared)
 
+    def missing_pieces(self, prepared: PreparedPrompt) -> list[str]:
+        """The text pieces of a prepared prompt that encoding would add to the cache (none for
+        token IDs, or for a tokenizer whose special tokens force whole-text encoding)."""
+        plan = prepared.plan
+        return [] if plan is None or plan.whole_text is not None else list(plan.missing)
+
+    def encode_pieces_uncached(self, texts: list[str]) -> list[np.ndarray]:
+        """Token IDs of text pieces (no special tokens), leaving the cache alone."""
+        return self._encoder.encode_texts(texts)
+
+    def remember(self, texts: list[str], arrays: list[np.ndarray]) -> None:
+        """Put pieces encoded elsewhere (``encode_pieces_uncached`` here or in another process
+        loading the same ``source_path``) into the cache."""
+        self._encoder.cache.put_many(zip(texts, arrays))
+
     def head(self, prepared: PreparedPrompt, *, fresh_chars: int, head_chars: int = HEAD_CHARS) -> PromptHead | None:
         """The prompt's leading tokens, when its uncached text is longer than ``fresh_chars``;
         at most ``head_chars`` uncached characters are tokenized for them.

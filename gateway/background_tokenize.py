@@ -1,0 +1,135 @@
+"""Whole-prompt tokenization after a head decision: off the request path, bounded, counted.
+
+A long fresh prompt is routed on its head (``RoutingCore._route_by_head``); its whole text is
+tokenized afterwards only so that the conversation's next turn finds it in the segment cache.
+That work is optional and must never delay a request, so it runs in one worker of its own at the
+lowest CPU priority (nice 19) — never on the event loop nor on the executor the request path's
+own long encodes use — and at most ``max_pending`` prompts wait or run. A prompt arriving when
+that many are pending is dropped and counted (``kvgate_background_tokenize_total{outcome}``): its
+next turn is tokenized on the request path, as if this cache fill did not exist.
+
+``worker="process"`` (default) encodes in a child process that loads the same ``tokenizer.json``
+and sends the token IDs back; the event loop only puts them in the cache. ``"thread"`` encodes in
+one thread of this process (no second copy of the tokenizer, but converting the IDs to arrays
+holds the GIL, which the loop then waits for). ``kvgate bench overhead --prompt-tokens`` measures
+both (see ``README.md``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import threading
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from typing import Literal
+
+import numpy as np
+
+from gateway import metrics
+from tokenizer import PreparedPrompt, PromptTokenizer
+
+log = logging.getLogger("kvgate.background_tokenize")
+Worker = Literal["process", "thread"]
+NICE = 19  # runs only on CPU that nothing else of the same user wants
+
+_child_tokenizer: PromptTokenizer | None = None  # in the worker process only
+
+
+def _lower_priority() -> None:
+    """Nice the calling thread (Linux: a thread has its own nice value) or process."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+    except (AttributeError, OSError):  # no per-thread priority here: run at the normal one
+        pass
+
+
+def _start_child(source: str) -> None:
+    global _child_tokenizer
+    _lower_priority()
+    _child_tokenizer = PromptTokenizer(source, cache_bytes=0)
+
+
+def _encode_in_child(texts: list[str]) -> list[np.ndarray]:
+    assert _child_tokenizer is not None
+    return _child_tokenizer.encode_pieces_uncached(texts)
+
+
+class BackgroundTokenizer:
+    """Fills ``tokenizer``'s cache with prompts' missing pieces, at most ``max_pending`` at a time."""
+
+    def __init__(self, tokenizer: PromptTokenizer, *, worker: Worker = "process", max_pending: int = 4) -> None:
+        if max_pending < 1:
+            raise ValueError("max_pending must be >= 1")
+        self.tokenizer = tokenizer
+        self.worker = worker
+        self.max_pending = max_pending
+        self._pending = 0
+        self._executor: Executor | None = None  # started on first use
+
+    def submit(self, prepared: PreparedPrompt) -> bool:
+        """Queue the prompt's missing pieces; False if the queue was full (dropped, counted)."""
+        texts = self.tokenizer.missing_pieces(prepared)
+        if not texts:
+            return True
+        if self._pending >= self.max_pending:
+            metrics.BACKGROUND_TOKENIZE.labels("dropped").inc()
+            return False
+        loop = asyncio.get_running_loop()
+        try:
+            future = self._start().submit(self._encode_fn(), texts)
+        except Exception as e:  # e.g. no worker process can start: the request is answered anyway
+            metrics.BACKGROUND_TOKENIZE.labels("failed").inc()
+            log.warning("background tokenization could not start: %s", e)
+            self.close()
+            return False
+        self._pending += 1
+        metrics.BACKGROUND_TOKENIZE.labels("queued").inc()
+        metrics.BACKGROUND_TOKENIZE_PENDING.inc()
+        future.add_done_callback(lambda f: _call_soon(loop, self._finish, texts, f))
+        return True
+
+    def close(self) -> None:
+        """Stop the worker; what is still queued is dropped (it was only a cache fill)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    def _start(self) -> Executor:
+        if self._executor is None:
+            if self.worker == "process":
+                self._executor = ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"),  # never fork a process running gRPC
+                    initializer=_start_child, initargs=(str(self.tokenizer.source_path),),
+                )
+            else:
+                self._executor = ThreadPoolExecutor(1, "kvgate-background-tokenize", initializer=_lower_priority)
+        return self._executor
+
+    def _encode_fn(self):
+        return _encode_in_child if self.worker == "process" else self.tokenizer.encode_pieces_uncached
+
+    def _finish(self, texts: list[str], future: Future) -> None:
+        """On the event loop: cache what came back, count the outcome."""
+        self._pending -= 1
+        metrics.BACKGROUND_TOKENIZE_PENDING.dec()
+        if future.cancelled():
+            metrics.BACKGROUND_TOKENIZE.labels("failed").inc()
+            return
+        error = future.exception()
+        if error is not None:
+            metrics.BACKGROUND_TOKENIZE.labels("failed").inc()
+            log.warning("background tokenization failed: %s", error)  # e.g. a lone surrogate, a dead worker
+            if self._executor is not None and getattr(self._executor, "_broken", False):
+                self.close()  # a dead worker process: the next prompt starts a new one
+            return
+        self.tokenizer.remember(texts, future.result())
+        metrics.BACKGROUND_TOKENIZE.labels("done").inc()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed meanwhile (shutdown): nothing left to fill
+        pass
