@@ -171,8 +171,8 @@ def _routes(s: EnvoySettings) -> list[dict]:
                     s,
                 )
             )
-        for path in INFERENCE_PATHS:
-            routes.append(_route({"path": path}, "fleet", s))
+    for path in INFERENCE_PATHS:  # without kvgate (integration none) too: only look-alikes are refused
+        routes.append(_route({"path": path}, "fleet", s))
     routes.append(
         {
             "match": {"safe_regex": {"regex": LOOKALIKE_PATHS}},
