@@ -58,7 +58,7 @@ class FleetSnapshot:
         }
 
 
-_BRIDGE_FIELDS = ("connected", "registered", "batches", "gaps_repaired", "gaps_unrecoverable", "resets",
+_BRIDGE_FIELDS = ("connected", "registered", "writer", "batches", "gaps_repaired", "gaps_unrecoverable", "resets",
                   "dropped_blocks", "malformed_batches", "directory_errors")  # fmt: skip
 
 
