@@ -53,8 +53,25 @@ What it guarantees (and what it does not):
   past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
 * **Untrusted input.** A batch that does not decode, or is larger than ``max_batch_bytes``
   (default 16 MiB; vLLM's per-step batches are kilobytes), is logged, counted
-  (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed.
-  Bad events inside a good batch are dropped one by one (``kvgate_bridge_rejected_events_total``).
+  (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed
+  and, since it may have removed blocks, the node is cleared like after an unrepairable gap (routed
+  by load until the engine stores blocks again). Bad events inside a good batch are dropped one by
+  one (``kvgate_bridge_rejected_events_total``); fields of newer engines are ignored.
+* **Degraded nodes are routed by load, and say so.** The bridge learns the engine's block size
+  from its GPU ``BlockStored`` events; one that differs from the configured ``block_size`` (vLLM
+  forces 64 or more for MLA and hybrid models) cannot be keyed at all, so the node is marked
+  degraded: a log line names the node and both sizes, ``kvgate_bridge_engine_block_size`` and
+  ``kvgate_bridge_node_degraded{reason}`` show it, ``/readyz`` lists it under ``degraded_nodes``,
+  and its entries are withheld (it stays live, chosen by load alone) until a new connection. A
+  replay socket that answers garbage or never answers a catch-up degrades the node the same way
+  (``kvgate_bridge_replay_failures_total``) until a retry, made on live events every
+  ``replay_retry_s``, succeeds.
+* **Offloaded copies.** A ``BlockStored`` without token IDs (vLLM's CPU-offload connector when it
+  lacks a block's metadata; ``block_size`` 0) adds its tier to blocks whose engine hash we keyed
+  when they were stored on the GPU; the others cannot be keyed and are dropped and counted
+  (``reason="no_tokens"``). Offloaded blocks with a block size other than the configured one
+  (offload chunks spanning several GPU blocks) are dropped as ``reason="block_size"`` without
+  degrading the node.
 * **Backpressure.** A flood cannot queue without bound: ZMQ holds at most ``RCVHWM`` batches for
   us and drops the rest at the publisher, which the bridge sees as a sequence gap and repairs by
   replay; pending directory writes are folded per key, so they are bounded by the blocks held.
@@ -110,7 +127,7 @@ REJECTED_EVENTS = Counter(
 )
 DROPPED_BLOCKS = Counter(
     "kvgate_bridge_dropped_blocks_total",
-    "stored blocks not recorded (reason: unknown_parent, block_size, token_count)",
+    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, no_tokens)",
     ["node", "reason"],
 )
 GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
@@ -123,6 +140,17 @@ EVENT_LAG = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 TRACKED_BLOCKS = Gauge("kvgate_bridge_tracked_blocks", "engine blocks the bridge maps to keys", ["node"])
+ENGINE_BLOCK_SIZE = Gauge(
+    "kvgate_bridge_engine_block_size", "block size the engine's own KV events use (learned from them)", ["node"]
+)
+DEGRADED = Gauge(
+    "kvgate_bridge_node_degraded",
+    "1 while the node's entries are withheld and it is routed by load only (reason: block_size, replay)",
+    ["node", "reason"],
+)
+REPLAY_FAILURES = Counter(
+    "kvgate_bridge_replay_failures_total", "replay requests that failed (reason: timeout, garbage)", ["node", "reason"]
+)
 WRITER = Gauge(
     "kvgate_bridge_writer", "1 while this bridge holds the node's writer lease (0: another replica writes it)", ["node"]
 )
@@ -360,6 +388,8 @@ class NodeBlockMap:
 
     def _stored(self, ev: BlockStored) -> tuple[str, int] | None:
         n = len(ev.block_hashes)
+        if not ev.token_ids and n:
+            return self._stored_without_tokens(ev)
         if ev.block_size != self._block_size:
             return ("block_size", n)
         if len(ev.token_ids) != n * self._block_size:
@@ -393,6 +423,21 @@ class NodeBlockMap:
                 held.tiers |= bit
                 self._count(key, tier, +1)
         return None if keyable == n else ("extra_keys", n - keyable)
+
+    def _stored_without_tokens(self, ev: BlockStored) -> tuple[str, int] | None:
+        """A copy (CPU offload) announced by engine hash alone: the blocks we keyed when they were
+        stored elsewhere gain the tier; the others cannot be keyed and are dropped."""
+        tier = Tier.from_medium(ev.medium)
+        bit = 1 << tier
+        unknown = 0
+        for engine_hash in ev.block_hashes:
+            held = self._by_hash.get(_slot(engine_hash, ev.group_idx))
+            if held is None:
+                unknown += 1
+            elif not held.tiers & bit:
+                held.tiers |= bit
+                self._count(held.key, tier, +1)
+        return ("no_tokens", unknown) if unknown else None
 
     def _removed(self, ev: BlockRemoved) -> None:
         tier = Tier.from_medium(ev.medium)
@@ -482,6 +527,8 @@ class NodeStats:
     registered: bool
     writer: bool  # this bridge holds the node's writer lease (others follow without writing)
     authoritative: bool  # its map accounts for all the node's entries (rewrites replace, not merge)
+    degraded: str  # "" or why the node's entries are withheld (it is routed by load only)
+    engine_block_size: int | None  # as the engine's events say (None: no GPU block seen yet)
     next_seq: int | None  # sequence number expected next (None: not in step yet)
     tracked_blocks: int
     tracked_keys: int
@@ -493,6 +540,7 @@ class NodeStats:
     gaps_unrecoverable: int
     resets: int
     directory_errors: int
+    replay_failures: int
 
 
 @dataclass(eq=False)
@@ -508,6 +556,9 @@ class _Stream:
     registered: bool = False
     writer: bool = False  # holds the node's writer lease: the only bridge writing its entries
     authoritative: bool = False  # `blocks` accounts for every entry the node may rightly have
+    degraded: dict[str, str] = field(default_factory=dict)  # reason -> detail; entries withheld
+    engine_block_size: int | None = None
+    replay_retry_at: float = 0.0  # monotonic time of the next catch-up try while replay fails
     withdraw: bool = False  # the engine went away while we wrote it: retire the node
     rewrite_all: bool = False  # the directory may lack our writes: rewrite the node from `blocks`
     directory_down: bool = False  # for logging the outage once, not per failed call
@@ -524,6 +575,7 @@ class _Stream:
     gaps_unrecoverable: int = 0
     resets: int = 0
     directory_errors: int = 0
+    replay_failures: int = 0
 
 
 class KVEventBridge:
@@ -545,6 +597,7 @@ class KVEventBridge:
         max_blocks_per_node: int | None = None,
         engine_timeout_s: float = 3.0,
         max_batch_bytes: int = 16 << 20,
+        replay_retry_s: float = 30.0,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -562,6 +615,8 @@ class KVEventBridge:
         self._flush_interval_s = flush_interval_s
         self._flush_max_keys = flush_max_keys
         self._replay_timeout_s = replay_timeout_s
+        self._replay_retry_s = replay_retry_s
+        self._block_size = block_size
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be positive")
         self._engine_timeout_ms = max(int(engine_timeout_s * 1000), 10)
@@ -619,9 +674,11 @@ class KVEventBridge:
                         await self._directory.release_writer(st.spec.node_id, self._owner)
             except Exception as exc:  # closing must finish; the TTL retires what we could not
                 log.warning("node %s: final flush/deregister failed: %r", st.spec.node_id, exc)
-            for gauge in (TRACKED_BLOCKS, WRITER):
+            for gauge, labels in [(g, (st.spec.node_id,)) for g in (TRACKED_BLOCKS, WRITER, ENGINE_BLOCK_SIZE)] + [
+                (DEGRADED, (st.spec.node_id, reason)) for reason in ("block_size", "replay")
+            ]:
                 with contextlib.suppress(KeyError):
-                    gauge.remove(st.spec.node_id)
+                    gauge.remove(*labels)
         self._ctx.destroy(linger=0)
 
     async def __aenter__(self) -> KVEventBridge:
@@ -645,6 +702,8 @@ class KVEventBridge:
             registered=st.registered,
             writer=st.writer,
             authoritative=st.authoritative,
+            degraded="; ".join(f"{k}: {v}" for k, v in st.degraded.items()),
+            engine_block_size=st.engine_block_size,
             next_seq=st.expected,
             tracked_blocks=len(st.blocks),
             tracked_keys=st.blocks.key_count,
@@ -656,6 +715,7 @@ class KVEventBridge:
             gaps_unrecoverable=st.gaps_unrecoverable,
             resets=st.resets,
             directory_errors=st.directory_errors,
+            replay_failures=st.replay_failures,
         )
 
     # -- event path -------------------------------------------------------------------------
@@ -714,6 +774,8 @@ class KVEventBridge:
             st.authoritative = False
             st.expected = None
             st.last_live = None
+            st.engine_block_size = None  # the engine may have been restarted with other settings
+            self._recover(st, "block_size")
             await self._catch_up(st)
             st.rewrite_all = True
             st.dirty.set()
@@ -740,6 +802,14 @@ class KVEventBridge:
             log.warning("node %s: %s", st.spec.node_id, exc)
             self._count_malformed(st)
             return
+        if "replay" in st.degraded and time.monotonic() >= st.replay_retry_at:
+            log.info("node %s: trying its replay socket again", st.spec.node_id)
+            st.blocks.forget()
+            st.authoritative = False
+            st.expected = None
+            await self._catch_up(st, live_seq=seq)
+            st.rewrite_all = True
+            st.dirty.set()
         if st.last_live is not None and seq <= st.last_live:
             # within one connection a publisher's sequence only grows: this one started over
             self._reset(st, "seq_reset")
@@ -764,7 +834,11 @@ class KVEventBridge:
         batches = await self._fetch_replay(st, 0)
         if batches is None:
             st.expected = live_seq  # no history to be had: follow live events from here
+            if st.spec.replay:
+                st.replay_retry_at = time.monotonic() + self._replay_retry_s
+                self._degrade(st, "replay", "the replay socket did not answer a catch-up; retried on later events")
             return
+        self._recover(st, "replay")
         for seq, payload in batches:
             self._apply(st, seq, payload)
         if batches:
@@ -828,17 +902,20 @@ class KVEventBridge:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await sock.poll(left * 1000):
                     log.warning("node %s: replay from seq %d timed out", st.spec.node_id, start)
+                    self._replay_failed(st, "timeout")
                     return None
                 frames = await sock.recv_multipart()
                 # [b"", topic, seq, payload] (current vLLM), [b"", seq, payload] (older vLLM,
                 # SGLang), [seq, payload]: the last two frames are always the sequence and payload
                 if len(frames) not in (2, 3, 4):
                     log.warning("node %s: replay answer of %d frames", st.spec.node_id, len(frames))
+                    self._replay_failed(st, "garbage")
                     return None
                 try:
                     seq = decode_seq(frames[-2])
                 except KVEventDecodeError as exc:
                     log.warning("node %s: replay answer: %s", st.spec.node_id, exc)
+                    self._replay_failed(st, "garbage")
                     return None
                 if seq == END_SEQ:
                     return out
@@ -851,15 +928,19 @@ class KVEventBridge:
 
     def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
         node = st.spec.node_id
+        # a batch we cannot read may have removed blocks: like a gap that replay cannot fill,
+        # the node is cleared (routed by load) and rebuilt from what the engine stores next
         if len(payload) > self._max_batch_bytes:  # never decode it: msgpack objects cost ~10x the bytes
-            log.warning("node %s: skipping batch seq %d of %d bytes (limit %d)", node, seq, len(payload), self._max_batch_bytes)
+            log.warning("node %s: skipping batch seq %d of %d bytes (limit %d); clearing the node", node, seq, len(payload), self._max_batch_bytes)
             self._count_malformed(st)
+            self._reset(st, "malformed")
             return
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
-            log.warning("node %s: skipping malformed batch seq %d: %s", node, seq, exc)
+            log.warning("node %s: skipping malformed batch seq %d: %s; clearing the node", node, seq, exc)
             self._count_malformed(st)
+            self._reset(st, "malformed")
             return
         if batch.rejected:
             log.warning("node %s: batch seq %d: dropped %s", node, seq, "; ".join(batch.rejected[:5]))
@@ -869,6 +950,8 @@ class KVEventBridge:
             if isinstance(event, AllBlocksCleared):
                 self._reset(st, "all_blocks_cleared")
                 continue
+            if isinstance(event, BlockStored) and event.token_ids and Tier.from_medium(event.medium) is Tier.GPU:
+                self._learn_block_size(st, event.block_size)
             try:
                 dropped = st.blocks.apply(event)
             except BlockMapOverflow as exc:
@@ -894,6 +977,41 @@ class KVEventBridge:
         st.authoritative = True  # the directory is cleared with the map
         st.expected = None
         st.dirty.set()
+
+    def _learn_block_size(self, st: _Stream, size: int) -> None:
+        if size == st.engine_block_size:
+            return
+        st.engine_block_size = size
+        ENGINE_BLOCK_SIZE.labels(st.spec.node_id).set(size)
+        if size != self._block_size:
+            log.error(
+                "node %s: engine block size %d differs from the configured block_size %d: none of its blocks can "
+                "be keyed; routing it by load only (set block_size: %d, or the engine's --block-size %d)",
+                st.spec.node_id, size, self._block_size, size, self._block_size,
+            )  # fmt: skip
+            self._degrade(st, "block_size", f"engine block size {size}, configured {self._block_size}")
+
+    def _degrade(self, st: _Stream, reason: str, detail: str) -> None:
+        """Withhold the node's entries (it is then chosen by load alone) until ``reason`` clears."""
+        if reason in st.degraded:
+            return
+        log.warning("node %s: degraded (%s): its entries are withheld, it is routed by load only", st.spec.node_id, detail)
+        st.degraded[reason] = detail
+        DEGRADED.labels(st.spec.node_id, reason).set(1)
+        st.rewrite_all = True
+        st.dirty.set()
+
+    def _recover(self, st: _Stream, reason: str) -> None:
+        if st.degraded.pop(reason, None) is None:
+            return
+        log.info("node %s: %s recovered", st.spec.node_id, reason)
+        DEGRADED.labels(st.spec.node_id, reason).set(0)
+        st.rewrite_all = True
+        st.dirty.set()
+
+    def _replay_failed(self, st: _Stream, reason: str) -> None:
+        REPLAY_FAILURES.labels(st.spec.node_id, reason).inc()
+        st.replay_failures += 1
 
     def _count_malformed(self, st: _Stream) -> None:
         MALFORMED.labels(st.spec.node_id).inc()
@@ -926,6 +1044,12 @@ class KVEventBridge:
         node = st.spec.node_id
         if not st.writer:
             st.blocks.take_changes()  # another bridge writes this node; we rewrite it if we take over
+            return
+        if st.degraded:  # entries withheld: the node is routed by load alone until it recovers
+            st.blocks.take_changes()
+            if st.rewrite_all:
+                await self._directory.replace_node(node, {})
+                st.rewrite_all = False
             return
         if st.rewrite_all:
             st.blocks.take_changes()  # the snapshot below supersedes them
