@@ -192,7 +192,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:
-            await bridge.aclose()
+            await bridge.aclose(deregister=False)  # other replicas may follow these engines
         await keeper.aclose()
         await directory.aclose()
         background.close()

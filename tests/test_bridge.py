@@ -142,6 +142,20 @@ def test_map_drops_blocks_whose_content_tokens_do_not_decide() -> None:
     assert m.key_of(8) == salted_keys(tokens(0, 1), "tenant-a")[0]
 
 
+def test_map_offload_events_without_tokens_add_a_tier_to_blocks_it_knows() -> None:
+    """vLLM's CPU-offload connector may announce a block with no token IDs (it lacks the metadata):
+    such a block cannot be keyed from its tokens, but if its engine hash is one we keyed when it
+    was stored on the GPU, its CPU copy is that same key; otherwise it is dropped and counted."""
+    m = new_map()
+    m.apply(stored([1, 2], tokens(0, 2)))
+    m.take_changes()
+    offload = BlockStored(block_hashes=[2, 77], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU")
+    assert m.apply(offload) == ("no_tokens", 1)
+    assert m.take_changes() == (False, [TierChange(keys_of(tokens(0, 2))[1], (Tier.CPU,), ())])
+    m.apply(BlockRemoved(block_hashes=[2], medium="GPU"))  # evicted from the GPU: the CPU copy stays
+    assert m.key_of(2) == keys_of(tokens(0, 2))[1]
+
+
 def test_map_unknown_parent_drops_the_blocks_and_their_descendants() -> None:
     m = new_map()
     assert m.apply(stored([7, 8], tokens(0, 2), parent=999)) == ("unknown_parent", 2)
@@ -447,6 +461,49 @@ async def test_malformed_batch_is_skipped_and_the_bridge_goes_on(directory: Dire
         assert (s.malformed_batches, s.rejected_events, s.gaps_repaired) == (2, 1, 0)
         assert REGISTRY.get_sample_value("kvgate_bridge_malformed_batches_total", {"node": node_id}) == s.malformed_batches
     eng.pub.close()
+
+
+async def test_engine_block_size_mismatch_is_flagged_and_the_node_routed_by_load(
+    directory: Directory, node_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose block size differs from kvgate's (vLLM forces 64 for MLA models) has every
+    block dropped: before, silently (a counter); now the bridge learns the engine's size from its
+    events, logs the node and both sizes, exports them and marks the node degraded (its entries
+    dropped, so it is chosen by load alone) while it stays live."""
+    eng = Engine(node_id)
+    a = tokens(0, 2)
+    async with make_bridge(directory, eng) as bridge:
+        await connected(bridge, directory, node_id)
+        eng.pub.publish([stored([1, 2], a)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(a)), 2))
+        eng.pub.publish([BlockStored(block_hashes=[3], parent_block_hash=None, token_ids=tokens(500, 4), block_size=64)])
+        await eventually(lambda: _true(bridge.stats(node_id).degraded != ""), what="node degraded")
+        s = bridge.stats(node_id)
+        assert s.engine_block_size == 64 and "block_size" in s.degraded
+        assert REGISTRY.get_sample_value("kvgate_bridge_engine_block_size", {"node": node_id}) == 64
+        assert REGISTRY.get_sample_value("kvgate_bridge_node_degraded", {"node": node_id, "reason": "block_size"}) == 1
+        assert any(node_id in r.message and "64" in r.message and "16" in r.message for r in caplog.records)
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(a)), 0), what="entries dropped")
+        assert await live(directory, node_id)  # still routed, by load
+        ready = await readyz(directory, bridge)
+        assert ready["ready"] and "engine block size 64, configured 16" in ready["degraded_nodes"][node_id]
+        eng.pub.publish([stored([4], tokens(900, 1))])  # a right-sized block changes nothing now
+        await asyncio.sleep(0.2)
+        assert await held(directory, node_id, keys_of(tokens(900, 1))) == 0
+    eng.pub.close()
+
+
+async def readyz(directory: Directory, bridge: KVEventBridge) -> dict:
+    """The admin app's ``/readyz`` over real HTTP, with this bridge in its fleet monitor."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.admin import build_admin_app
+    from gateway.fleet_status import FleetMonitor
+
+    app = build_admin_app(directory, monitor=FleetMonitor(directory, bridges=lambda: [bridge]))
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/readyz")
+        return await r.json()
 
 
 async def test_dead_engine_stops_being_returned_within_the_ttl(directory: Directory, node_id: str) -> None:

@@ -506,3 +506,26 @@ def test_publisher_refuses_a_taken_port() -> None:
     with KVEventPublisher(endpoint):
         with pytest.raises(zmq.ZMQError):
             KVEventPublisher(endpoint)
+
+
+def test_vllm_032_fields_and_offload_placeholders_decode() -> None:
+    """vLLM 0.32's BlockStored carries fields we do not use (kv_cache_spec_kind, locality,
+    ownership, session_id): ignored. Its CPU-offload connector announces blocks it has no metadata
+    for as placeholders: no token IDs and block_size 0 (before: rejected as malformed)."""
+    stored = {
+        "type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": TOKENS[:16],
+        "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [["salt"]],
+        "group_idx": 0, "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None,
+        "locality": "LOCAL", "ownership": None, "session_id": "s-1",
+    }  # fmt: skip
+    placeholder = {
+        "type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [], "block_size": 0,
+        "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0, "locality": None, "ownership": None,
+    }  # fmt: skip
+    batch = decode_batch(pack([1.0, [stored, placeholder], 0]))
+    assert batch.rejected == ()
+    assert batch.events[0].extra_keys == [["salt"]] and batch.events[0].group_idx == 0
+    assert batch.events[1] == BlockStored(block_hashes=[9], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU", group_idx=0)
+    # a block size of 0 with token IDs is still nonsense
+    bad = dict(placeholder, token_ids=TOKENS[:16])
+    assert len(decode_batch(pack([1.0, [bad]])).rejected) == 1

@@ -1,8 +1,9 @@
 """``kvgate bridge``: follow engines' KV events and keep the directory in step (see workers.bridge).
 
-Runs as a sidecar beside one engine or as one process for several. Exits 0 after SIGTERM/SIGINT
-once pending writes are flushed and its nodes deregistered; 2 on bad arguments or a directory
-whose settings contradict ours.
+Runs as a sidecar beside one engine or as one process for several; several may follow one engine
+(one writes it, the others take over if it goes: see workers.bridge). Exits 0 after SIGTERM/SIGINT
+once pending writes are flushed and the nodes it writes deregistered; 2 on bad arguments or a
+directory whose settings contradict ours.
 """
 
 from __future__ import annotations

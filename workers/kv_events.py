@@ -205,13 +205,16 @@ def _event_from_raw(raw: object) -> KVEvent:
             raise _BadEvent(f"BlockStored without {', '.join(missing)}")
         parent = f.get("parent_block_hash")
         block_size = f["block_size"]
-        if type(block_size) is not int or block_size <= 0:
+        token_ids = _token_list(f["token_ids"])
+        # vLLM's CPU-offload connector announces blocks it lacks metadata for with no tokens and
+        # block_size 0 (placeholders); with tokens, the size must be real
+        if type(block_size) is not int or block_size < 0 or (block_size == 0 and token_ids):
             raise _BadEvent(f"block_size must be a positive integer, got {block_size!r}")
         extra = f.get("extra_keys")
         return BlockStored(
             block_hashes=_hash_list(f["block_hashes"], "block_hashes"),
             parent_block_hash=None if parent is None else normalize_block_hash(parent),
-            token_ids=_token_list(f["token_ids"]),
+            token_ids=token_ids,
             block_size=block_size,
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
             medium=_opt_str(f.get("medium"), "medium"),
