@@ -31,6 +31,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from directory_client.breaker import CircuitBreaker
 from directory_client.memory import TIERS
 from directory_client.sampling import KeySampler, check_keys, pack_keys
 from directory_client.scripts import Script, scripts
@@ -84,6 +85,20 @@ class NodeKeys:
         self.meta, self.blocks, self.load, self.resv = (base + s for s in ("meta", "blocks", "load", "resv"))
 
 
+MIN_REDIS_MAJOR = 7  # reservations use PEXPIRETIME (Redis 7.0)
+
+
+def check_server_version(info: dict[str, Any]) -> None:
+    """``DirectoryConfigError`` unless every server in ``INFO server`` (one, or per cluster node) runs Redis >= 7."""
+    servers = [v for v in info.values() if isinstance(v, dict)] or [info]
+    for server in servers:
+        version = str(server.get("redis_version", "0"))
+        if int(version.split(".")[0] or 0) < MIN_REDIS_MAJOR:
+            raise DirectoryConfigError(
+                f"the directory needs Redis >= {MIN_REDIS_MAJOR} (reservations use PEXPIRETIME); the server runs {version}"
+            )
+
+
 class RedisDirectoryBase(ABC):
     """Every ``Directory`` method except the lookup fan-out, which differs per deployment."""
 
@@ -124,6 +139,7 @@ class RedisDirectoryBase(ABC):
         self._tokens = itertools.count(1)
         self._config_checked = False
         self._config_lock = asyncio.Lock()
+        self.breaker = CircuitBreaker()
 
     @property
     def index_stride(self) -> int:
@@ -139,11 +155,21 @@ class RedisDirectoryBase(ABC):
         code is not disguised as an outage. ``Exception`` (not ``BaseException``) is caught,
         so cancellation propagates as it is.
         """
+        breaker = self.breaker
+        if not breaker.allow():
+            raise DirectoryUnavailable(
+                f"{self.backend_name} directory: {op} not tried, circuit open (retry in {breaker.retry_in_s:.2f} s)"
+            )
         try:
             async with asyncio.timeout(self.op_timeout_s):
                 yield
         except Exception as e:
+            breaker.failure()
             raise DirectoryUnavailable(f"{self.backend_name} directory: {op} failed: {e!r}") from e
+        except BaseException:
+            breaker.abandon()
+            raise
+        breaker.success()
 
     def _keys(self, node_id: str) -> NodeKeys:
         nk = self._node_keys.get(node_id)
@@ -203,9 +229,11 @@ class RedisDirectoryBase(ABC):
             if self._config_checked:
                 return
             async with self._io("config check"):
+                info = await self._client.info("server")
                 stride = str(self.sampler.stride).encode()
                 await self._client.hsetnx(self._config, "stride", stride)
                 stored = await self._client.hget(self._config, "stride")
+        check_server_version(info)
         if stored != stride:
             raise DirectoryConfigError(
                 f"directory {self.key_prefix!r} is indexed with stride {stored!r}, this client uses {stride!r}"

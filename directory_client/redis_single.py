@@ -12,6 +12,7 @@ connection interrupted mid-call (a timeout, an error) is never reused, and one t
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,9 +34,11 @@ class RedisDirectory(RedisDirectoryBase):
 
     backend_name = "redis"
 
-    def __init__(self, client: aioredis.Redis, **kw: Any) -> None:
+    def __init__(self, client: aioredis.Redis, *, max_connections: int = 64, **kw: Any) -> None:
         super().__init__(client, **kw)
         self._idle: list[AbstractConnection] = []  # connections for ``_eval``, most recent last
+        # the scripts' own connections count against the pool's limit too: at most this many at once
+        self._slots = asyncio.Semaphore(_script_connections(max_connections))
 
     @classmethod
     def from_url(
@@ -50,12 +53,13 @@ class RedisDirectory(RedisDirectoryBase):
         """``redis://[:password@]host:port/db`` or ``rediss://…`` (TLS; ``connection_options``
         carries redis-py's ``ssl_*`` keywords, e.g. ``ssl_ca_certs``).
 
-        The pool is a blocking one: a burst of concurrent requests waits (within the op
-        timeout) for one of ``max_connections`` connections instead of failing at once.
+        ``max_connections`` bounds every connection to the server: half for the request path's
+        scripts, half for the client's pool. Both block: a burst of concurrent requests waits
+        (within the op timeout) for a connection instead of opening more.
         """
         pool = aioredis.BlockingConnectionPool.from_url(
             url,
-            max_connections=max_connections,
+            max_connections=max(1, max_connections - _script_connections(max_connections)),
             timeout=op_timeout_s,
             socket_timeout=op_timeout_s,
             socket_connect_timeout=op_timeout_s,
@@ -66,9 +70,15 @@ class RedisDirectory(RedisDirectoryBase):
             **(connection_options or {}),
         )
         client = aioredis.Redis(connection_pool=pool)
-        return cls(client, op_timeout_s=op_timeout_s, **kw)
+        return cls(client, op_timeout_s=op_timeout_s, max_connections=max_connections, **kw)
 
     async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """One script call on a connection of our own, at most ``max_connections // 2`` at once (a
+        burst waits, within the caller's op timeout, instead of opening one connection per request)."""
+        async with self._slots:
+            return await self._eval_on_connection(name, keys, args)
+
+    async def _eval_on_connection(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
         script = self._scripts[name]
         idle = self._idle
         reused = bool(idle)
@@ -101,6 +111,10 @@ class RedisDirectory(RedisDirectoryBase):
         async with self._io("lookup"):
             flat = await self._eval("lookup_all", (self._registry,), (self.key_prefix, blob))
         return [(flat[i].decode(), flat[i + 1 : i + 7]) for i in range(0, len(flat), 7)]
+
+
+def _script_connections(max_connections: int) -> int:
+    return max(1, max_connections // 2)
 
 
 async def _evalsha(conn: AbstractConnection, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:

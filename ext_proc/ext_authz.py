@@ -50,6 +50,10 @@ BODY_SLACK = 1 << 20  # bodies up to max_body_bytes + this reach the core, which
 PIPELINE_DEPTH = 8  # complete requests waiting on one connection before we stop reading it
 LINGER_S = 2.0  # after a last answer (413, 400), how long unread input is drained before closing
 CLOSE_GRACE_S = 5.0  # on shutdown, how long checks in progress may take to finish
+MAX_HEAD_BYTES = 64 << 10  # request line + headers, counted while they arrive (Envoy sends < 60 KiB)
+RECEIVE_TIMEOUT_S = 10.0  # a request that has begun must have arrived whole by then (slow clients)
+IDLE_TIMEOUT_S = 300.0  # a connection with nothing received, queued or being answered is closed
+SWEEP_S = 1.0  # how often connections are checked against the two timeouts
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _JSON = b"content-type: application/json\r\n"
@@ -65,6 +69,10 @@ def _http_response(status: int, headers: bytes = b"", body: bytes = b"") -> byte
 def _internal_error(connection: bytes) -> bytes:
     """500, never a 4xx: Envoy's ``failure_mode_allow`` then passes the request through."""
     return _http_response(500, _PLAIN + connection, b"kvgate ext_authz internal error")
+
+
+def _closing_error(status: int, message: str) -> bytes:
+    return _http_response(status, _PLAIN + b"connection: close\r\n", message.encode())
 
 
 def _decision_path(url: bytes) -> str | None:
@@ -86,11 +94,22 @@ class ExtAuthzService:
         self.core = core
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
+        self._sweeper: asyncio.Task | None = None
 
     async def start(self, host: str, port: int, *, max_body_bytes: int) -> None:
         """Listen on exactly ``host:port``; returns once the socket is bound."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self, max_body_bytes), host, port)
+        self._sweeper = loop.create_task(self._sweep())
+
+    async def _sweep(self) -> None:
+        """Time out slow and idle connections: one timer for all of them, not one per request."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            now = loop.time()
+            for conn in list(self._connections):
+                conn.check_timeouts(now)
 
     async def check(self, method: str, path: str, body: bytes, request_id: str, traceparent: str) -> RouteResult | None:
         """The decision for one check of ``path`` (the original path); None: not ours, pass through."""
@@ -107,6 +126,9 @@ class ExtAuthzService:
         """Stop listening and close connections; checks in progress finish and give their load back
         at once. Routed requests keep theirs: they are still running on their nodes, and the
         directory drops it at their estimated end."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self._server is not None:
             self._server.close()
             connections = list(self._connections)
@@ -133,7 +155,10 @@ class _Request:
 class _Connection(asyncio.Protocol):
     """One client connection: llhttp parses, complete requests queue up, one task per connection
     answers them in order (pipelining-safe); reading pauses while too many wait or the client
-    does not read."""
+    does not read. What a client can make it hold is bounded: ``MAX_HEAD_BYTES`` of request line
+    and headers (431), a body up to ``max_body_bytes + BODY_SLACK`` (413), ``PIPELINE_DEPTH``
+    requests or ``max_body_bytes`` of bodies queued (reading pauses), ``RECEIVE_TIMEOUT_S`` to
+    send a request (408), ``IDLE_TIMEOUT_S`` doing nothing (closed)."""
 
     def __init__(self, service: ExtAuthzService, max_body_bytes: int) -> None:
         self.service = service
@@ -148,6 +173,11 @@ class _Connection(asyncio.Protocol):
         self._reading = True
         self._write_paused = False
         self._linger: asyncio.TimerHandle | None = None
+        self._queued_bytes = 0  # bodies of the queued requests
+        self._loop = asyncio.get_running_loop()
+        self._active = self._loop.time()  # when something was last received or answered
+        self._began: float | None = None  # when the request being received began (None: between requests)
+        self._head_bytes = 0  # bytes received since the request being received began, until its headers end
         # the request being parsed
         self._url = b""
         self._request_id = b""
@@ -172,8 +202,15 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._done:
             return
+        self._active = self._loop.time()
+        in_head = self._began is None or self._head_bytes >= 0
+        if in_head:
+            self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
+            # still in a request's head (a message begun, or bytes before its first line)
+            if in_head and self._head_bytes > MAX_HEAD_BYTES and not self._done:
+                self._last(_closing_error(431, f"request line and headers exceed {MAX_HEAD_BYTES} bytes"))
         except httptools.HttpParserCallbackError:  # our bug, not the client's: never a 4xx
             log.exception("ext_authz: parsing callback failed")
             self._last(_internal_error(b"connection: close\r\n"))
@@ -195,9 +232,19 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    def check_timeouts(self, now: float) -> None:
+        """408 for a request that is taking too long to arrive; close a connection idle too long."""
+        if self._done:
+            return
+        if self._began is not None and now - self._began > RECEIVE_TIMEOUT_S:
+            self._last(_closing_error(408, f"request not received within {RECEIVE_TIMEOUT_S:g} s"))
+        elif self._began is None and not self._busy and not self._queue and now - self._active > IDLE_TIMEOUT_S:
+            self.close()
+
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
+        self._began = self._loop.time()
         self._url = self._request_id = self._traceparent = b""
         self._expect_continue = False
         self._chunks = []
@@ -216,6 +263,7 @@ class _Connection(asyncio.Protocol):
             self._expect_continue = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
+        self._head_bytes = -1  # the body's bytes are counted (and bounded) by on_body
         if self._expect_continue and not self._done and not self._busy and not self._queue:
             assert self._transport is not None
             self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -241,8 +289,11 @@ class _Connection(asyncio.Protocol):
             connection = b"connection: keep-alive\r\n"
         else:
             connection = b""
+        self._began = None
+        self._head_bytes = 0
         chunks = self._chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._queued_bytes += len(body)
         self._enqueue(
             _Request(
                 parser.get_method().decode("ascii"),
@@ -276,7 +327,7 @@ class _Connection(asyncio.Protocol):
 
     def _update_reading(self) -> None:
         transport = self._transport
-        want = len(self._queue) < PIPELINE_DEPTH and not self._write_paused
+        want = len(self._queue) < PIPELINE_DEPTH and self._queued_bytes <= self.max_body_bytes and not self._write_paused
         if transport is None or want == self._reading or transport.is_closing():
             return
         self._reading = want
@@ -298,6 +349,8 @@ class _Connection(asyncio.Protocol):
                 await self._wakeup
                 continue
             item = self._queue.popleft()
+            if isinstance(item, _Request):
+                self._queued_bytes -= len(item.body)
             self._update_reading()
             if isinstance(item, bytes):
                 self._finish(transport, item)
@@ -310,6 +363,7 @@ class _Connection(asyncio.Protocol):
             if transport.is_closing():  # the client left: _answer gave its load back
                 return
             transport.write(response)
+            self._active = loop.time()
             if not item.keep_alive:
                 transport.close()
                 return

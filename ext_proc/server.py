@@ -27,14 +27,14 @@ from google.protobuf import struct_pb2
 
 from ext_proc import responses
 from gateway import metrics
-from gateway.core import RouteResult, RoutingCore
+from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 
 log = logging.getLogger("kvgate.ext_proc")
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-MAX_MESSAGE_BYTES = 64 << 20
+MESSAGE_SLACK = 1 << 20  # a message may exceed the body limit by this (headers, framing)
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -117,6 +117,12 @@ class ExtProcService:
                 await context.write(responses.EMPTY)
                 continue
             body += msg.request_body.body
+            if len(body) > self.core.limits.max_body_bytes:  # a STREAMED body: stop buffering it now
+                limit = self.core.limits.max_body_bytes
+                message = f"request body of at least {len(body)} bytes exceeds the limit of {limit} bytes"
+                await context.write(immediate_response(413, error_body(413, message)))
+                metrics.REJECTED.labels("413").inc()
+                return None
             if msg.request_body.end_of_stream:
                 break
             # Only a STREAMED body arrives in parts; acknowledge each part without changes.
@@ -135,6 +141,7 @@ class ExtProcService:
 def build_server(core: RoutingCore, address: str) -> grpc.aio.Server:
     """A grpc.aio server with the ext_proc service bound to ``address`` (host:port)."""
     service = ExtProcService(core)
+    max_message = core.limits.max_body_bytes + MESSAGE_SLACK  # one message never carries more than a body
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {
@@ -145,8 +152,8 @@ def build_server(core: RoutingCore, address: str) -> grpc.aio.Server:
     )
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message),
+            ("grpc.max_send_message_length", max_message),
             ("grpc.so_reuseport", 0),
         ]
     )

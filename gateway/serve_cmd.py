@@ -39,9 +39,11 @@ from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
 from gateway.policy import make_policy
 from gateway.profile import load_profile
+from gateway.trusted_fleet import TrustedDirectory, TrustedFleet
 from tokenizer import PromptTokenizer
 
 if TYPE_CHECKING:
+    from gateway.discovery.runner import KubernetesDiscovery
     from gateway.tracing import Tracing
 
 log = logging.getLogger("kvgate.serve")
@@ -74,6 +76,17 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_hold_s=cfg.limits.max_hold_s,
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
+
+
+def trusted_fleet(cfg: KvgateConfig, discovery: KubernetesDiscovery | None) -> TrustedFleet:
+    """What may be routed to: the static fleet and the nodes discovery reports now."""
+    if not cfg.fleet and discovery is None:
+        log.warning("no static fleet and no discovery: no directory node is trusted, every request fails open")
+    static = [(n.address, n.transfer_endpoint) for n in cfg.fleet]
+    if discovery is None:
+        return TrustedFleet(static)
+    membership = discovery.membership
+    return TrustedFleet(static, lambda: [(n.address, n.transfer_endpoint) for n in membership.nodes.values()])
 
 
 def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
@@ -142,14 +155,15 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     background = BackgroundTokenizer(
         tokenizer, worker=cfg.tokenizer.background_worker, max_pending=cfg.tokenizer.background_queue
     )
+    discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
     core = RoutingCore(
-        tokenizer, directory, policy, load_profile(cfg.policy.profile), limits_from_config(cfg),
+        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery)), policy,
+        load_profile(cfg.policy.profile), limits_from_config(cfg),
         decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None, background=background,
     )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
-    discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
     grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
     authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)

@@ -71,7 +71,16 @@ async def test_killed_redis_raises_unavailable_everywhere_then_recovers(private_
         private_redis.kill()
         await assert_all_unavailable(d)
         private_redis.start()  # same port, empty (no persistence), no scripts loaded
-        await prime(d)
+        assert d.breaker.is_open  # the failures opened the circuit: calls are refused at once ...
+        deadline = time.monotonic() + 10
+        while True:  # ... until a probe after the backoff finds the server back
+            try:
+                await prime(d)
+                break
+            except DirectoryUnavailable:
+                assert time.monotonic() < deadline, "the client never recovered"
+                await asyncio.sleep(0.05)
+        assert not d.breaker.is_open
         r = await d.reserve("n1", 5)
         assert await d.loads() == {"n1": NodeLoad(1, 5)}
         await d.release(r)

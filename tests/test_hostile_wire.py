@@ -65,3 +65,37 @@ def seen_node(headers: dict[str, str], stack: Stack) -> str:
     """Which node an echo answer came from, by the address kvgate chose (when it chose)."""
     dest = headers.get("x-gateway-destination-endpoint", "")
     return next((n for n in stack.node_ports if stack.addr(n) == dest), "a")
+
+
+def test_a_node_registered_in_redis_by_someone_else_is_never_a_destination(stack: Stack, tmp_path) -> None:
+    """Issue 15, item 4: whoever can write to Redis registered a node at an address of its choice
+    (``169.254.169.254:80``, the cloud metadata service) holding the prompt's blocks, and kvgate
+    sent the request there. Here the forged node is a fourth echo server, so a request it
+    received would be seen. What the attacker gets now: nothing: the forged node is skipped
+    (``kvgate_untrusted_nodes_total`` counts it), the request is answered by a fleet node."""
+    from directory_client.types import NodeInfo
+    from tests.conftest import free_port
+    from tests.support.http import get_json
+    from tests.support.procs import start_echo
+    from tests.support.stack import chat, document, keys_of
+    from tokenizer import PromptTokenizer
+
+    evil_port = free_port()
+    evil = start_echo("evil", evil_port, tmp_path)
+    try:
+        body = chat(document("forged-node"), "What does it say?")
+        keys = keys_of(PromptTokenizer(), "/v1/chat/completions", body)
+        for _ in range(3):
+            stack.directory_call(lambda d: d.register_node(NodeInfo("evil", f"127.0.0.1:{evil_port}", model="deepseek-chat")))
+            stack.seed("evil", keys)
+            status, _, raw = request(stack.url("/v1/chat/completions"), method="POST", body=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+            assert status == 200, raw[:300]
+            seen = json.loads(raw)["headers"]
+            assert seen.get("x-gateway-destination-endpoint") in {stack.addr(n) for n in stack.node_ports}
+        assert get_json(f"http://127.0.0.1:{evil_port}/_stats")[1]["requests"] == 0
+        metrics = request(f"http://127.0.0.1:{stack.admin_port}/metrics")[2].decode()
+        assert "kvgate_untrusted_nodes_total" in metrics
+    finally:
+        evil.stop()
+        stack.directory_call(lambda d: d.deregister_node("evil"))

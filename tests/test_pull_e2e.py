@@ -26,6 +26,7 @@ from tests.conftest import free_port
 from tests.redis_servers import purge_prefix
 from tests.support.http import eventually, get_json, request
 from tests.support.procs import Proc, python_module, start_envoy, start_kvgate, wait_for_port
+from tests.support.transfer import secret_file
 from tokenizer.keys import block_keys, namespace_seed
 
 MODEL = "deepseek-chat"
@@ -57,6 +58,8 @@ class PullStack:
                     "--time-scale", "1.0", "--events-endpoint", f"tcp://127.0.0.1:{p['events']}",
                     "--replay-endpoint", f"tcp://127.0.0.1:{p['replay']}", "--transfer-port", str(p["transfer"]),
                     "--transfer-link", "rdma", "--transfer-payload-bytes", str(PAYLOAD),
+                    "--transfer-secret-file", secret_file(tmp),
+                    "--transfer-peers", ",".join(f"127.0.0.1:{q['transfer']}" for q in self.ports.values()),
                 ],
                 tmp,
             )

@@ -12,6 +12,7 @@ from gateway.profile import load_profile
 from tests.conftest import free_port
 from tests.support.http import eventually, get_json, request
 from tests.support.procs import Proc, python_module, wait_for_port
+from tests.support.transfer import secret_file
 
 MODEL = "m"
 PROFILE = "llama-3.1-8b-h100"
@@ -23,7 +24,7 @@ class Worker:
         args = [
             "--port", str(self.port), "--model", MODEL, "--node-id", name, "--profile", PROFILE,
             "--time-scale", "0.01", "--kv-blocks", "512", "--transfer-port", str(self.transfer_port),
-            "--transfer-link", "rdma", *extra,
+            "--transfer-link", "rdma", "--transfer-secret-file", secret_file(tmp), *extra,
         ]
         self.proc: Proc = python_module(f"worker-{name}", "workers.engine", args, tmp)
         wait_for_port(self.port, proc=self.proc.popen, timeout_s=30)
@@ -169,8 +170,9 @@ def test_a_worker_without_an_agent_ignores_pulls_and_says_so(tmp_path) -> None:
 def test_bad_transfer_flags_fail_at_start(tmp_path) -> None:
     for flags, message in (
         (["--transfer-port", "0"], "--transfer-port"),
-        (["--transfer-port", "5000", "--transfer-payload-bytes", "0"], "--transfer-payload-bytes"),
-        (["--transfer-port", "5000", "--pull-timeout", "0"], "--pull-timeout"),
+        (["--transfer-port", "5000", "--transfer-secret-file", "s", "--transfer-payload-bytes", "0"], "--transfer-payload-bytes"),
+        (["--transfer-port", "5000", "--transfer-secret-file", "s", "--pull-timeout", "0"], "--pull-timeout"),
+        (["--transfer-port", "5000"], "--transfer-secret-file"),  # an agent never runs unauthenticated
     ):
         proc = python_module("bad", "workers.engine", ["--port", str(free_port()), *flags], tmp_path)
         assert proc.popen.wait(timeout=30) == 2

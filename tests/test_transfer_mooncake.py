@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.support.procs import Proc, python_module, wait_for_port
+from tests.support.transfer import KEY, secret_file, signed, peer_auth
 from workers.transfer import SlotTable, TransferAgent, TransferError, block_payload, make_backend
 from workers.transfer.standalone import StaticHolder, synthetic_chain
 
@@ -36,14 +37,18 @@ class NothingHeld:
 
 def start_owner(tmp_path, name: str, *, blocks: int = BLOCKS, payload: int = PAYLOAD) -> tuple[Proc, str]:
     port = free_port()
-    args = ["serve", "--port", str(port), "--blocks", str(blocks), "--payload-bytes", str(payload), "--seed", str(SEED)]
+    args = ["serve", "--port", str(port), "--blocks", str(blocks), "--payload-bytes", str(payload), "--seed", str(SEED),
+            "--secret-file", secret_file(tmp_path)]  # fmt: skip
     proc = python_module(name, "workers.transfer", args, tmp_path)
     wait_for_port(port, proc=proc.popen, timeout_s=30)
     return proc, f"127.0.0.1:{port}"
 
 
 def puller(slots: int = 128, payload: int = PAYLOAD) -> TransferAgent:
-    return TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), SlotTable(slots, payload), NothingHeld())
+    return TransferAgent(
+        make_backend("mooncake-tcp", host="127.0.0.1"), SlotTable(slots, payload, checksum_key=KEY), NothingHeld(),
+        auth=peer_auth("puller"),
+    )
 
 
 async def health(endpoint: str) -> dict:
@@ -148,9 +153,9 @@ async def test_owner_frozen_then_killed_mid_read(tmp_path) -> None:
 
 async def in_process_owner(blocks: int = 16, payload: int = 1024, **kw) -> tuple[TransferAgent, StaticHolder, list[int]]:
     chain = synthetic_chain(blocks, SEED)
-    slots = SlotTable(blocks, payload)
+    slots = SlotTable(blocks, payload, checksum_key=KEY)
     holder = StaticHolder(slots, chain)
-    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), slots, holder, **kw)
+    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), slots, holder, auth=peer_auth("owner"), **kw)
     await agent.start("127.0.0.1", free_port())
     return agent, holder, chain
 
@@ -178,23 +183,23 @@ async def test_a_corrupted_block_is_caught_and_nothing_is_used() -> None:
 
 async def test_leases_pin_blocks_until_released_or_expired() -> None:
     owner, holder, chain = await in_process_owner(lease_ttl_s=0.3)
-    url = f"http://{owner.endpoint}/kv/lease"
+    ep = owner.endpoint
     try:
         async with aiohttp.ClientSession() as s:
-            async with s.post(url, json={"hashes": chain[:10], "start": 4}) as r:
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain[:10], "start": 4}) as r:
                 first = await r.json()
             assert first["held"] == 10 and len(first["addrs"]) == 6
             assert first["addrs"][0] == owner.slots.address(owner.slots.slot_of(chain[4]))
             assert holder.pinned == 10
-            async with s.delete(f"http://{owner.endpoint}/kv/lease/{first['lease']}") as r:
+            async with signed(s, "DELETE", ep, f"/kv/lease/{first['lease']}") as r:
                 assert (await r.json())["released"] is True
             assert holder.pinned == 0
-            async with s.post(url, json={"hashes": chain, "start": 0}) as r:
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain, "start": 0}) as r:
                 assert (await r.json())["held"] == len(chain)
             assert holder.pinned == len(chain)
             await asyncio.sleep(0.6)  # nobody releases it: the lease expires
             assert holder.pinned == 0 and owner.stats.expired_leases == 1
-            async with s.post(url, json={"hashes": chain[:3], "start": 3}) as r:  # nothing beyond start
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain[:3], "start": 3}) as r:  # nothing beyond start
                 body = await r.json()
             assert body["lease"] is None and body["held"] == 3 and holder.pinned == 0
     finally:
@@ -209,10 +214,10 @@ async def test_bad_lease_requests_get_a_clear_error_and_pin_nothing() -> None:
     try:
         async with aiohttp.ClientSession() as s:
             for body in BAD_LEASES:
-                async with s.post(f"http://{owner.endpoint}/kv/lease", json=body) as r:
+                async with signed(s, "POST", owner.endpoint, "/kv/lease", body) as r:
                     assert r.status == 400, body
                     assert "error" in await r.json()
-            async with s.post(f"http://{owner.endpoint}/kv/lease", data=b"{not json") as r:
+            async with signed(s, "POST", owner.endpoint, "/kv/lease", raw=b"{not json") as r:
                 assert r.status == 400
         assert holder.pinned == 0 and owner.stats.leases == 0
     finally:

@@ -18,6 +18,7 @@ from workers.transfer import SlotTable, TransferAgent, TransferError, block_payl
 from workers.transfer.standalone import StaticHolder, synthetic_chain
 from workers.transfer.verbs_backend import PYVERBS_PATH_ENV, VerbsBackend, import_pyverbs, rdma_devices
 from tests.conftest import free_port
+from tests.support.transfer import KEY, peer_auth
 
 DEBIAN_PYVERBS = "/usr/lib/python3/dist-packages"
 
@@ -58,9 +59,9 @@ def test_no_device_is_a_transfer_error_not_a_pyverbs_error() -> None:
 async def test_rdma_read_between_two_agents() -> None:
     device = device_or_skip()
     chain = synthetic_chain(32, 3)
-    owner_slots = SlotTable(32, 4096)
+    owner_slots = SlotTable(32, 4096, checksum_key=KEY)
     holder = StaticHolder(owner_slots, chain)
-    owner = TransferAgent(VerbsBackend(device=device), owner_slots, holder)
+    owner = TransferAgent(VerbsBackend(device=device), owner_slots, holder, auth=peer_auth("owner"))
     await owner.start("127.0.0.1", free_port())
 
     class Nothing:
@@ -70,7 +71,7 @@ async def test_rdma_read_between_two_agents() -> None:
         def unhold(self, hashes):
             raise AssertionError
 
-    puller = TransferAgent(VerbsBackend(device=device), SlotTable(64, 4096), Nothing())
+    puller = TransferAgent(VerbsBackend(device=device), SlotTable(64, 4096, checksum_key=KEY), Nothing(), auth=peer_auth("puller"))
     try:
         pulled = await puller.pull(owner.endpoint, chain, 2, timeout_s=10)
         assert pulled.hashes == tuple(chain[2:])

@@ -132,6 +132,8 @@ class ChaosFleet:
             },
             "limits": {"max_body_bytes": 1 << 20},
             "log": {"level": "WARNING"},
+            # what may be routed to (the bridges' registrations alone are not trusted), as the chart renders it
+            "fleet": [{"node_id": w.name, "address": w.address} for w in self.workers],
         }
 
     def start_worker(self, w: Worker, *, wait: bool = True) -> None:

@@ -66,6 +66,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="real bytes kept and moved per block, a scaled-down stand-in for its KV (default: 4096)",
     )
     parser.add_argument(
+        "--transfer-secret-file", default=None,
+        help="file holding the fleet's transfer secret (>= 16 bytes; a Kubernetes Secret): required with --transfer-port",
+    )
+    parser.add_argument(
+        "--transfer-peers", default=None,
+        help="comma-separated transfer endpoints (host:port) this node may pull from: the fleet's (default: any signed peer)",
+    )
+    parser.add_argument(
         "--pull-timeout", type=float, default=5.0, help="real seconds a pull may take before recomputing (default: 5)"
     )
     parser.add_argument("--log-level", default="WARNING", help="Python logging level (default: WARNING)")
@@ -86,6 +94,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--replay-endpoint needs --events-endpoint"
     if args.transfer_port is not None and not 0 < args.transfer_port < 65536:
         return "--transfer-port must be 1-65535"
+    if args.transfer_port is not None and not args.transfer_secret_file:
+        return "--transfer-port needs --transfer-secret-file: the agent answers only peers holding the fleet's secret"
     if args.transfer_payload_bytes <= 0:
         return "--transfer-payload-bytes must be positive"
     if not args.pull_timeout > 0:
@@ -115,6 +125,8 @@ async def _serve(args: argparse.Namespace) -> None:
         transfer_link=args.transfer_link,
         transfer_payload_bytes=args.transfer_payload_bytes,
         pull_timeout_s=args.pull_timeout,
+        transfer_secret_file=args.transfer_secret_file or "",
+        transfer_peers=tuple(p.strip() for p in args.transfer_peers.split(",") if p.strip()) if args.transfer_peers else None,
     )
     tokenizer = PromptTokenizer(args.tokenizer, chat_template=args.chat_template)
     events = None

@@ -277,6 +277,8 @@ class PullCollector(Collector):
                 ("kvgate_transfer_served_blocks", "Blocks offered to pulling peers.", s.served_blocks),
                 ("kvgate_transfer_expired_leases", "Leases dropped because the peer never released them.", s.expired_leases),
                 ("kvgate_transfer_corrupt_blocks", "Pulled blocks that failed verification.", s.corrupt_blocks),
+                ("kvgate_transfer_unauthenticated_requests", "Control requests refused 401: not signed with the fleet's secret.", s.unauthenticated),
+                ("kvgate_transfer_over_quota_leases", "Lease requests refused 429: the peer held its quota of leases.", s.over_quota),
             ):
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric([m], value)

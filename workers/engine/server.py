@@ -28,6 +28,7 @@ from gateway.profile import HardwareProfile
 from tokenizer import InvalidPrompt, PromptTokenizer, namespace_seed
 from workers.engine.kv_cache import CacheEvent
 from workers.transfer import SlotTable, TransferAgent, make_backend
+from workers.transfer.auth import PeerAuth
 from workers.engine.events import EventPublisher
 from workers.engine.kv_cache import CacheBusy, PrefixCache, root_hash
 from workers.engine.metrics import EngineMetrics
@@ -76,6 +77,8 @@ class EngineConfig:
     transfer_link: str = "tcp"  # link whose speed models a pull's time (the gateway's policy.link)
     transfer_payload_bytes: int = 4096  # real bytes kept per block (the full-size KV is modelled)
     pull_timeout_s: float = 5.0  # real seconds a pull may take before the request recomputes
+    transfer_secret_file: str = ""  # the fleet's transfer secret (required with transfer_port)
+    transfer_peers: tuple[str, ...] | None = None  # transfer endpoints pulls may come from (None: any signed peer)
 
     @property
     def capacity_blocks(self) -> int:
@@ -115,9 +118,12 @@ class Engine:
         )
         agent = None
         if config.transfer_port is not None:
-            self.slots = SlotTable(config.capacity_blocks, config.transfer_payload_bytes)
+            auth = PeerAuth.from_file(config.transfer_secret_file, config.node_id)
+            self.slots = SlotTable(config.capacity_blocks, config.transfer_payload_bytes, checksum_key=auth.checksum_key)
             backend = make_backend(config.transfer_backend, host=config.transfer_host, device=config.transfer_device)
-            agent = TransferAgent(backend, self.slots, CacheHolder(self.cache, self.runtime))
+            agent = TransferAgent(
+                backend, self.slots, CacheHolder(self.cache, self.runtime), auth=auth, peers=config.transfer_peers
+            )
         self.transfer = agent
         self.pulls = PullCoordinator(
             agent, self.runtime, config.profile,

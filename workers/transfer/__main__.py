@@ -11,15 +11,17 @@ import signal
 import sys
 
 from workers.transfer.agent import TransferAgent
+from workers.transfer.auth import PeerAuth
 from workers.transfer.backend import BACKENDS, TransferError, make_backend
 from workers.transfer.slots import SlotTable
 from workers.transfer.standalone import StaticHolder, synthetic_chain
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    slots = SlotTable(args.blocks + args.spare_slots, args.payload_bytes)
+    auth = PeerAuth.from_file(args.secret_file, f"{args.host}:{args.port}")
+    slots = SlotTable(args.blocks + args.spare_slots, args.payload_bytes, checksum_key=auth.checksum_key)
     holder = StaticHolder(slots, synthetic_chain(args.blocks, args.seed))
-    agent = TransferAgent(make_backend(args.backend, host=args.host, device=args.device), slots, holder)
+    agent = TransferAgent(make_backend(args.backend, host=args.host, device=args.device), slots, holder, auth=auth)
     await agent.start(args.host, args.port)
     print(f"transfer agent on {agent.endpoint}: {args.blocks} blocks of {slots.slot_size} bytes, {args.backend}", flush=True)
     stop = asyncio.Event()
@@ -44,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--backend", choices=BACKENDS, default="mooncake-tcp")
     serve.add_argument("--device", default="", help="RDMA device name (rdma backends)")
+    serve.add_argument("--secret-file", required=True, help="the fleet's transfer secret (>= 16 bytes): peers must sign with it")
     args = parser.parse_args(argv)
     if args.blocks <= 0 or args.payload_bytes <= 0 or args.spare_slots < 0:
         parser.error("--blocks and --payload-bytes must be positive, --spare-slots >= 0")

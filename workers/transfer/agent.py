@@ -1,6 +1,8 @@
 """The KV transfer agent: serves the blocks this node holds and pulls blocks from peers.
 
-Control channel (HTTP/JSON on the agent's port, the node's ``transfer_endpoint``)::
+Control channel (HTTP/JSON on the agent's port, the node's ``transfer_endpoint``); every request
+but ``/kv/health`` must be signed by a peer holding the fleet's transfer secret (``auth.py``),
+else 401::
 
     POST   /kv/lease        {"hashes": [h0, h1, ...], "start": k}
            → {"lease": id | null, "held": m, "addrs": [addr(h_k) .. addr(h_m-1)],
@@ -13,7 +15,11 @@ Hashes are the engine's block hashes, which every engine of the same model compu
 from a prompt's tokens, so a puller can name blocks it has never held. The owner answers with
 the longest prefix of ``hashes`` it holds (``held``) and *pins* those blocks (``BlockHolder.hold``:
 in the engine, a reference in its prefix cache) until the puller releases the lease or ``ttl_s``
-passes: a pinned block is never evicted, so its slot is never reused while a peer reads it.
+passes: a pinned block is never evicted, so its slot is never reused while a peer reads it. A
+peer holds at most ``max_leases_per_peer`` leases at once (429 past it), so one peer cannot fill
+the table for everyone; only the peer that took a lease can release it. A node pulls only from
+the transfer endpoints it was given (``peers``: the fleet's), and uses a block only if its MAC
+verifies under the fleet's key.
 
 A pull: lease → reserve local slots → one-sided read of every missing block (contiguous runs
 coalesced) in a worker thread → verify each slot (block hash + checksum, ``payload.verify_slot``)
@@ -26,9 +32,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +43,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from workers.transfer.auth import AuthError, PeerAuth
 from workers.transfer.backend import ReadOp, TransferBackend, TransferError, coalesce
 from workers.transfer.payload import BlockCorrupt, verify_slot
 from workers.transfer.slots import SlotTable
@@ -44,6 +52,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_LEASE_TTL_S = 10.0
 DEFAULT_MAX_LEASES = 1024
+DEFAULT_MAX_LEASES_PER_PEER = 64
 MAX_LEASE_BLOCKS = 1 << 16
 
 
@@ -81,6 +90,8 @@ class AgentStats:
     pulled_blocks: int = 0
     pulled_bytes: int = 0
     corrupt_blocks: int = 0
+    unauthenticated: int = 0  # control requests refused 401
+    over_quota: int = 0  # lease requests refused 429 (the peer holds its quota)
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -88,6 +99,11 @@ class AgentStats:
 class _Lease:
     hashes: list[int]
     expires: float
+    peer: str
+
+
+class LeaseQuotaExceeded(TransferError):
+    """The asking peer already holds its quota of leases (answered 429)."""
 
 
 def _endpoint_url(endpoint: str, path: str) -> str:
@@ -103,16 +119,27 @@ class TransferAgent:
         slots: SlotTable,
         holder: BlockHolder,
         *,
+        auth: PeerAuth,
+        peers: Collection[str] | None = None,
         lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
         max_leases: int = DEFAULT_MAX_LEASES,
+        max_leases_per_peer: int = DEFAULT_MAX_LEASES_PER_PEER,
     ) -> None:
+        """``auth``: the fleet's secret; ``peers``: the transfer endpoints this node may pull from
+        (None: any, still signed and MAC-checked). ``slots`` must be keyed with ``auth.checksum_key``."""
         if lease_ttl_s <= 0:
             raise ValueError("lease_ttl_s must be positive")
+        if slots.checksum_key != auth.checksum_key:
+            raise ValueError("the slot table's checksum key is not the transfer secret's")
         self.backend = backend
         self.slots = slots
         self.holder = holder
         self.lease_ttl_s = lease_ttl_s
         self.max_leases = max_leases
+        self.max_leases_per_peer = max_leases_per_peer
+        self.auth = auth
+        self.peers = None if peers is None else frozenset(peers)
+        self._per_peer: dict[str, int] = {}
         self.stats = AgentStats()
         self.endpoint = ""
         self.inflight_pulls = 0
@@ -157,10 +184,13 @@ class TransferAgent:
 
     # -- owner side ------------------------------------------------------------------------------
 
-    def grant(self, hashes: Sequence[int], start: int) -> dict[str, Any]:
-        """Pin the held prefix of ``hashes`` and say where blocks ``start..held-1`` live."""
-        if len(self._leases) >= self.max_leases:
+    def grant(self, hashes: Sequence[int], start: int, peer: str) -> dict[str, Any]:
+        """Pin the held prefix of ``hashes`` for ``peer`` and say where blocks ``start..held-1`` live."""
+        if len(self._leases) >= self.max_leases or self._per_peer.get(peer, 0) >= self.max_leases_per_peer:
             self._expire(time.monotonic())
+            if self._per_peer.get(peer, 0) >= self.max_leases_per_peer:
+                self.stats.over_quota += 1
+                raise LeaseQuotaExceeded(f"peer {peer} holds {self.max_leases_per_peer} leases; release some first")
             if len(self._leases) >= self.max_leases:
                 raise TransferError(f"{len(self._leases)} leases open; try later")
         held = self.holder.hold(hashes)
@@ -177,7 +207,8 @@ class TransferAgent:
         lease_id: str | None = None
         if held > start:
             lease_id = f"l{next(self._ids)}"
-            self._leases[lease_id] = _Lease(list(hashes[:held]), time.monotonic() + self.lease_ttl_s)
+            self._leases[lease_id] = _Lease(list(hashes[:held]), time.monotonic() + self.lease_ttl_s, peer)
+            self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             self.stats.leases += 1
             self.stats.served_blocks += len(addrs)
         elif held:
@@ -191,13 +222,22 @@ class TransferAgent:
             "ttl_s": self.lease_ttl_s,
         }
 
-    def release(self, lease_id: str) -> bool:
+    def release(self, lease_id: str, peer: str) -> bool:
+        """Drop a lease ``peer`` took (another peer's lease is left alone)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.peer != peer:
+            return False
         return self._drop(lease_id)
 
     def _drop(self, lease_id: str) -> bool:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             return False
+        left = self._per_peer[lease.peer] - 1
+        if left:
+            self._per_peer[lease.peer] = left
+        else:
+            del self._per_peer[lease.peer]
         self.holder.unhold(lease.hashes)
         return True
 
@@ -211,9 +251,20 @@ class TransferAgent:
             await asyncio.sleep(self.lease_ttl_s / 4)
             self._expire(time.monotonic())
 
-    async def _handle_lease(self, request: web.Request) -> web.Response:
+    async def _authenticated(self, request: web.Request) -> tuple[str, bytes]:
+        """(peer id, body) of a signed request; raises a 401 answer otherwise."""
+        body = await request.read()
         try:
-            body = await request.json()
+            return self.auth.verify(request.method, self.endpoint, request.path, body, request.headers), body
+        except AuthError as e:
+            self.stats.unauthenticated += 1
+            log.warning("refused a transfer control request from %s: %s", request.remote, e)
+            raise web.HTTPUnauthorized(text=json.dumps({"error": str(e)}), content_type="application/json") from None
+
+    async def _handle_lease(self, request: web.Request) -> web.Response:
+        peer, raw = await self._authenticated(request)
+        try:
+            body = json.loads(raw)
             hashes = [int(h) for h in body["hashes"]]
             start = int(body.get("start", 0))
         except (ValueError, KeyError, TypeError) as e:
@@ -223,16 +274,20 @@ class TransferAgent:
                 {"error": f"need 0 <= start <= len(hashes) <= {MAX_LEASE_BLOCKS} and unsigned 64-bit hashes"}, status=400
             )
         try:
-            return web.json_response(self.grant(hashes, start))
+            return web.json_response(self.grant(hashes, start, peer))
+        except LeaseQuotaExceeded as e:
+            return web.json_response({"error": str(e)}, status=429)
         except TransferError as e:
             return web.json_response({"error": str(e)}, status=503)
 
     async def _handle_release(self, request: web.Request) -> web.Response:
-        return web.json_response({"released": self.release(request.match_info["lease"])})
+        peer, _ = await self._authenticated(request)
+        return web.json_response({"released": self.release(request.match_info["lease"], peer)})
 
     async def _handle_connect(self, request: web.Request) -> web.Response:
+        _, raw = await self._authenticated(request)
         try:
-            body = await request.json()
+            body = json.loads(raw)
             return web.json_response(self.backend.accept(body))
         except (ValueError, KeyError, TypeError) as e:
             return web.json_response({"error": f"bad connect request: {e!r}"}, status=400)
@@ -257,6 +312,9 @@ class TransferAgent:
         Raises ``TransferError`` on any failure; on success the caller must ``adopt`` or
         ``discard`` the result. An owner holding nothing beyond ``have`` gives an empty result.
         """
+        if self.peers is not None and source not in self.peers:
+            self._failed("untrusted_source")
+            raise TransferError(f"{source} is not a transfer endpoint of this fleet: not pulling from it", "untrusted_source")
         t0 = time.perf_counter()
         self.inflight_pulls += 1
         try:
@@ -286,8 +344,7 @@ class TransferAgent:
         self.stats.failures[reason] = self.stats.failures.get(reason, 0) + 1
 
     async def _pull(self, source: str, hashes: list[int], have: int, t0: float) -> PulledBlocks:
-        session = self._client()
-        async with session.post(_endpoint_url(source, "/kv/lease"), json={"hashes": hashes, "start": have}) as resp:
+        async with self._signed("POST", source, "/kv/lease", {"hashes": hashes, "start": have}) as resp:
             answer = await resp.json(content_type=None)
             if resp.status != 200:
                 raise TransferError(f"{source} refused the lease ({resp.status}): {answer.get('error', answer)}", "refused")
@@ -317,7 +374,7 @@ class TransferAgent:
         request = self.backend.connect_request(peer)
         if request is None:
             return
-        async with self._client().post(_endpoint_url(source, "/kv/connect"), json=request) as resp:
+        async with self._signed("POST", source, "/kv/connect", request) as resp:
             answer = await resp.json(content_type=None)
             if resp.status != 200:
                 raise TransferError(f"{source} refused the connection ({resp.status}): {answer.get('error', answer)}", "refused")
@@ -345,7 +402,7 @@ class TransferAgent:
                 raise
             for h, slot in zip(wanted, slots):
                 try:
-                    verify_slot(self.slots.view(slot), h)
+                    verify_slot(self.slots.view(slot), h, self.auth.checksum_key)
                 except BlockCorrupt as e:
                     self.stats.corrupt_blocks += 1
                     raise TransferError(f"from {source}: {e}", "checksum") from e
@@ -365,10 +422,18 @@ class TransferAgent:
     async def _release_remote(self, source: str, lease_id: str) -> None:
         try:
             async with asyncio.timeout(2.0):
-                async with self._client().delete(_endpoint_url(source, f"/kv/lease/{lease_id}")) as resp:
+                async with self._signed("DELETE", source, f"/kv/lease/{lease_id}") as resp:
                     await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError) as e:
             log.debug("releasing lease %s at %s failed (it expires by itself): %r", lease_id, source, e)
+
+    def _signed(self, method: str, source: str, path: str, payload: Any = None):
+        """A request to ``source`` signed with the fleet's secret (a context manager, like aiohttp's)."""
+        body = b"" if payload is None else json.dumps(payload).encode()
+        headers = self.auth.sign(method, source, path, body)
+        if payload is not None:
+            headers["content-type"] = "application/json"
+        return self._client().request(method, _endpoint_url(source, path), data=body or None, headers=headers)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

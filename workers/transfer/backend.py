@@ -28,7 +28,8 @@ class TransferError(Exception):
     """A pull could not move or verify its blocks; the caller recomputes instead.
 
     ``reason`` is a short metric label: ``unreachable`` (owner gone), ``refused``, ``timeout``,
-    ``checksum``, ``no_slots``, ``mismatch`` (incompatible peers), ``transfer`` (the read failed).
+    ``checksum``, ``no_slots``, ``mismatch`` (incompatible peers), ``transfer`` (the read failed),
+    ``untrusted_source`` (not one of the fleet's transfer endpoints).
     """
 
     def __init__(self, message: str, reason: str = "transfer") -> None:

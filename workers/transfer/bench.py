@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import secrets
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -23,6 +26,7 @@ import aiohttp
 
 from gateway.profile import load_profile, shipped_profiles
 from workers.transfer.agent import TransferAgent
+from workers.transfer.auth import PeerAuth
 from workers.transfer.backend import ReadOp, coalesce, make_backend
 from workers.transfer.slots import SlotTable
 from workers.transfer.standalone import synthetic_chain
@@ -66,12 +70,17 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
     blocks = max(sizes_mib) * (1 << 20) // SLOT
     payload = SLOT - 16
     port = _free_port()
+    secret = tempfile.NamedTemporaryFile(prefix="kv-bench-secret-")  # noqa: SIM115 (closed below)
+    secret.write(secrets.token_hex(32).encode())
+    secret.flush()
     owner = subprocess.Popen(
         [sys.executable, "-m", "workers.transfer", "serve", "--port", str(port), "--blocks", str(blocks),
-         "--payload-bytes", str(payload)],
+         "--payload-bytes", str(payload), "--secret-file", secret.name],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), SlotTable(blocks, payload), _Nothing())
+    auth = PeerAuth.from_file(secret.name, "bench")
+    slots = SlotTable(blocks, payload, checksum_key=auth.checksum_key)
+    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), slots, _Nothing(), auth=auth)
     endpoint = f"127.0.0.1:{port}"
     chain = synthetic_chain(blocks)
     out: list[tuple[int, float, float]] = []
@@ -80,7 +89,9 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
         async with aiohttp.ClientSession() as http:
             for mib in sizes_mib:
                 n = mib * (1 << 20) // SLOT
-                async with http.post(f"http://{endpoint}/kv/lease", json={"hashes": chain[:n], "start": 0}) as r:
+                body = json.dumps({"hashes": chain[:n], "start": 0}).encode()
+                signed = auth.sign("POST", endpoint, "/kv/lease", body)
+                async with http.post(f"http://{endpoint}/kv/lease", data=body, headers=signed) as r:
                     lease = await r.json()
                 slots = agent.slots.reserve(n)
                 assert slots is not None
@@ -92,7 +103,8 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
                     if i:
                         reads.append(time.perf_counter() - t)
                 agent.slots.release(slots)
-                async with http.delete(f"http://{endpoint}/kv/lease/{lease['lease']}") as r:
+                path = f"/kv/lease/{lease['lease']}"
+                async with http.delete(f"http://{endpoint}{path}", headers=auth.sign("DELETE", endpoint, path)) as r:
                     await r.read()
                 for i in range(repeat + 1):
                     t = time.perf_counter()
@@ -106,6 +118,7 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
         await agent.close()
         owner.terminate()
         owner.wait(timeout=10)
+        secret.close()
     return out
 
 

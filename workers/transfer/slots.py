@@ -32,14 +32,16 @@ class SlotTable:
     slot is written, so a large table costs what is cached, not what could be.
     """
 
-    __slots__ = ("payload_bytes", "slot_size", "capacity", "buffer", "_free", "_by_hash", "_reserved")
+    __slots__ = ("payload_bytes", "slot_size", "capacity", "buffer", "checksum_key", "_free", "_by_hash", "_reserved")
 
-    def __init__(self, capacity: int, payload_bytes: int) -> None:
+    def __init__(self, capacity: int, payload_bytes: int, *, checksum_key: bytes) -> None:
+        """``checksum_key``: keys each stored block's MAC (``PeerAuth.checksum_key``)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self.payload_bytes = payload_bytes
         self.slot_size = slot_bytes(payload_bytes)
         self.capacity = capacity
+        self.checksum_key = checksum_key
         self.buffer = np.zeros(capacity * self.slot_size, dtype=np.uint8)
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out low slots first
         self._by_hash: dict[int, int] = {}
@@ -90,7 +92,7 @@ class SlotTable:
         if not self._free:
             return None
         slot = self._free.pop()
-        fill_slot(self.view(slot), block_hash)
+        fill_slot(self.view(slot), block_hash, self.checksum_key)
         self._by_hash[block_hash] = slot
         return slot
 

@@ -1,0 +1,108 @@
+"""The directory's Redis under load and in trouble (issue 15, item 11), against a private redis-server.
+
+Before: 200 concurrent lookups opened 200 connections (the pool's limit of 64 was bypassed by the
+request path's own connections), and a 2 s stall of Redis made every request open a fresh one
+(43 more). What Redis sees now: at most ``max_connections`` connections from one replica however
+many requests wait, and while Redis fails, kvgate stops calling it: after a few failures the
+directory's circuit opens (``kvgate_directory_circuit_open`` 1, calls fail open at once with
+``DirectoryUnavailable``), one probe is sent after a backoff, and the first success closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import prometheus_client
+import pytest
+import redis
+
+from directory_client import DirectoryUnavailable, NodeInfo, Tier, open_directory
+from directory_client.breaker import CircuitBreaker
+from directory_client.redis_base import check_server_version
+
+KEYS = list(range(1, 65))
+
+
+def connections(url: str) -> tuple[int, int]:
+    """(clients connected now, connections ever accepted), as the server counts them."""
+    with redis.Redis.from_url(url) as c:
+        clients, stats = c.info("clients"), c.info("stats")
+    return clients["connected_clients"] - 1, stats["total_connections_received"]
+
+
+def gauge(name: str) -> float | None:
+    return prometheus_client.REGISTRY.get_sample_value(name)
+
+
+async def test_a_burst_of_lookups_never_opens_more_than_the_pool(private_redis) -> None:
+    d = open_directory(private_redis.url, key_prefix="storm", max_connections=16, op_timeout_s=2.0)
+    try:
+        await d.register_node(NodeInfo("n1", "10.0.0.1:8000"))
+        await d.record_stored("n1", KEYS, Tier.GPU)
+        views = await asyncio.gather(*(d.lookup(KEYS) for _ in range(200)))
+        assert all(v.nodes[0].cached_blocks == len(KEYS) for v in views)
+        open_now, _ = connections(private_redis.url)
+        assert open_now <= 16 + 1, f"{open_now} connections for a pool of 16"  # + the client's own
+    finally:
+        await d.aclose()
+
+
+async def test_while_redis_stalls_the_circuit_opens_and_no_connection_storm_follows(private_redis) -> None:
+    d = open_directory(private_redis.url, key_prefix="stall", max_connections=16, op_timeout_s=0.1)
+    await d.register_node(NodeInfo("n1", "10.0.0.1:8000"))
+    await d.lookup(KEYS)
+    _, accepted_before = connections(private_redis.url)
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    failures, fast = 0, 0
+    try:
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # ~10 requests a 50 ms, as a loaded gateway would
+            results = await asyncio.gather(*(d.lookup(KEYS) for _ in range(10)), return_exceptions=True)
+            assert all(isinstance(r, DirectoryUnavailable) for r in results)
+            failures += len(results)
+            fast += sum("circuit open" in str(r) for r in results)
+            await asyncio.sleep(0.05)
+        assert gauge("kvgate_directory_circuit_open") == 1.0
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    assert fast >= failures * 0.8, f"only {fast} of {failures} failed fast"
+    # the backoff ends, one probe finds Redis well again, and lookups are answered
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            view = await d.lookup(KEYS)
+            break
+        except DirectoryUnavailable:
+            assert time.monotonic() < deadline, "the circuit never closed"
+            await asyncio.sleep(0.1)
+    assert view.nodes and gauge("kvgate_directory_circuit_open") == 0.0
+    _, accepted_after = connections(private_redis.url)
+    assert accepted_after - accepted_before <= 16 + 4, f"{accepted_after - accepted_before} connections opened"
+    await d.aclose()
+
+
+def test_the_breaker_backs_off_exponentially_and_lets_one_probe_through() -> None:
+    now = [0.0]
+    b = CircuitBreaker(threshold=3, base_s=0.5, max_s=2.0, clock=lambda: now[0])
+    for _ in range(3):
+        assert b.allow()
+        b.failure()
+    assert not b.allow()  # open for 0.5 s
+    now[0] += 0.5
+    assert b.allow() and not b.allow()  # one probe at a time
+    b.failure()  # the probe failed: open again, for twice as long
+    now[0] += 0.9
+    assert not b.allow()
+    now[0] += 0.1
+    assert b.allow()
+    b.success()
+    assert b.allow() and b.allow()  # closed
+
+
+def test_redis_older_than_7_is_refused_with_a_clear_error() -> None:
+    check_server_version({"redis_version": "7.0.15"})
+    with pytest.raises(Exception, match="Redis >= 7"):
+        check_server_version({"redis_version": "6.2.14"})

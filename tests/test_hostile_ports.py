@@ -1,0 +1,180 @@
+"""kvgate's own ports under attack (issue 15, item 9): what a client can make them hold.
+
+ext_authz (real sockets, the real core): a 128 MiB header value used to be buffered whole (128 MiB
+and 21 s of CPU, a normal request failing open meanwhile), and a client could start a request and
+never finish it. What the attacker gets now: 431 once the request line and headers pass
+``MAX_HEAD_BYTES``, 408 when a begun request has not arrived within ``RECEIVE_TIMEOUT_S``, and an
+idle connection closed after ``IDLE_TIMEOUT_S``; a normal request on another connection is routed
+meanwhile. ext_proc (a real gRPC server): a STREAMED body is no longer buffered past
+``limits.max_body_bytes``: the client gets 413 and kvgate stops reading it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc import ext_authz
+from ext_proc.server import build_server
+from gateway.envoy_config import DESTINATION_HEADER
+from gateway.metrics import REGISTRY
+from tests.conftest import free_port
+from tests.test_ext_authz_http import (  # noqa: F401  (fixtures)
+    CHAT,
+    MAX_BODY,
+    NODES,
+    chat,
+    conn,
+    core,
+    directory,
+    event_loop_policy,
+    post,
+    read_response,
+    service,
+    tok,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore:Overriding the \"event_loop_policy\" fixture")
+
+
+async def send_until_answered(reader, writer, head: bytes, filler: bytes, limit: int) -> tuple[int, bytes]:
+    """Send ``head`` then ``filler`` repeatedly (up to ``limit`` bytes) until the server answers or
+    closes; returns (bytes sent, what it answered)."""
+    writer.write(head)
+    sent = len(head)
+    read = asyncio.ensure_future(reader.read(4096))
+    try:
+        while sent < limit and not read.done():
+            writer.write(filler)
+            sent += len(filler)
+            try:
+                await asyncio.wait_for(writer.drain(), 5)
+            except (ConnectionError, TimeoutError):
+                break
+            await asyncio.sleep(0)
+        return sent, await asyncio.wait_for(read, 5)
+    finally:
+        read.cancel()
+
+
+@pytest.mark.parametrize("where", ["header", "url"])
+async def test_an_endless_header_or_url_gets_431_after_the_head_limit(conn, service, directory, where) -> None:
+    reader, writer = conn
+    head = b"POST /kvgate/authz/v1/chat/completions HTTP/1.1\r\nhost: kvgate\r\nx-big: " if where == "header" else b"POST /kvgate/authz/v1/" 
+    sent, answer = await send_until_answered(reader, writer, head, b"a" * (64 << 10), 32 << 20)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:100]
+    assert sent <= ext_authz.MAX_HEAD_BYTES + (1 << 20), f"{sent} bytes were read before the answer"
+    # a normal check on another connection is decided meanwhile, not failed open
+    r2, w2 = await asyncio.open_connection("127.0.0.1", service.port)
+    w2.write(post(chat()))
+    resp = await read_response(r2)
+    assert resp is not None and resp.status == 200 and resp.headers[DESTINATION_HEADER] == NODES["b"]
+    w2.close()
+
+
+async def test_a_request_that_never_finishes_arriving_gets_408(conn, monkeypatch) -> None:
+    monkeypatch.setattr(ext_authz, "RECEIVE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ext_authz, "SWEEP_S", 0.05)
+    reader, writer = conn
+    await asyncio.sleep(0.1)  # the sweeper picks the new timings up on its next round
+    writer.write(post(chat())[:200])  # headers and part of the body, then nothing
+    answer = await asyncio.wait_for(reader.read(4096), 5)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:100]
+
+
+async def test_an_idle_connection_is_closed(conn, monkeypatch) -> None:
+    monkeypatch.setattr(ext_authz, "IDLE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(ext_authz, "SWEEP_S", 0.05)
+    reader, writer = conn
+    writer.write(post(chat()))
+    resp = await read_response(reader)
+    assert resp is not None and resp.status == 200  # in use, it stays open; idle, it is closed
+    assert await asyncio.wait_for(reader.read(1), 5) == b""
+
+
+async def test_pipelined_bodies_are_not_queued_past_the_body_limit(conn, service, monkeypatch) -> None:
+    """A client pipelining large bodies without reading answers: reading pauses once the queued
+    bodies reach ``max_body_bytes`` (before: up to 8 whole bodies a connection)."""
+    gate = asyncio.Event()
+    route = service.core.route
+
+    async def stalled(*args, **kw):
+        await gate.wait()
+        return await route(*args, **kw)
+
+    monkeypatch.setattr(service.core, "route", stalled)
+    reader, writer = conn
+    big = json.dumps({"model": "x", "prompt": "p" * (MAX_BODY - 100)}).encode()
+    for _ in range(6):
+        writer.write(post(big))
+    await asyncio.sleep(0.3)
+    (connection,) = service._connections
+    assert connection._queued_bytes <= MAX_BODY + len(big)
+    assert len(connection._queue) < 6
+    gate.set()
+    for _ in range(6):
+        resp = await read_response(reader)
+        assert resp is not None and resp.status in (200, 404)
+
+
+def _headers_msg(path: str) -> bytes:
+    hm = pb.HttpHeaders(end_of_stream=False)
+    for k, v in ((":method", "POST"), (":path", path), ("content-type", "application/json")):
+        hm.headers.headers.add(key=k, raw_value=v.encode())
+    return pb.ProcessingRequest(request_headers=hm).SerializeToString()
+
+
+async def test_ext_proc_stops_a_streamed_body_past_the_limit_with_413(core) -> None:
+    port = free_port()
+    server = build_server(core, f"127.0.0.1:{port}")
+    await server.start()
+    rejected = REGISTRY.get_sample_value("kvgate_rejected_requests_total", {"status": "413"}) or 0.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream(
+                "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                request_serializer=lambda b: b,
+                response_deserializer=pb.ProcessingResponse.FromString,
+            )()
+            await call.write(_headers_msg(CHAT))
+            await call.read()
+            chunk = pb.ProcessingRequest(request_body=pb.HttpBody(body=b"x" * (16 << 10))).SerializeToString()
+            sent = 0
+            answer = None
+            while sent < 32 * MAX_BODY:  # the attack: 32 times the limit, in streamed parts
+                await call.write(chunk)
+                sent += 16 << 10
+                answer = await call.read()
+                if answer.HasField("immediate_response"):
+                    break
+            assert answer is not None and answer.immediate_response.status.code == 413
+            assert sent <= MAX_BODY + (16 << 10)
+            await call.done_writing()
+    finally:
+        await server.stop(None)
+    assert REGISTRY.get_sample_value("kvgate_rejected_requests_total", {"status": "413"}) == rejected + 1
+
+
+async def test_the_admin_port_refuses_an_endless_header_early(directory) -> None:
+    """The admin port (aiohttp) bounds a header line at 8190 bytes: 431/400 before 1 MiB is read."""
+    from aiohttp import web
+
+    from gateway.admin import build_admin_app
+
+    runner = web.AppRunner(build_admin_app(directory), access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"GET /healthz HTTP/1.1\r\nhost: kvgate\r\nx-big: "
+        sent, answer = await send_until_answered(reader, writer, head, b"a" * (64 << 10), 32 << 20)
+        assert answer.split(b" ")[1] in (b"400", b"431"), answer[:100]
+        assert sent <= 1 << 20
+        writer.close()
+    finally:
+        await runner.cleanup()

@@ -1,0 +1,107 @@
+"""The transfer agent's control channel under attack (issue 15, item 1), real agents over loopback.
+
+Before: anyone reaching an agent could take leases on any hashes (learning whether the node holds
+them, and pinning them), read every block, and fill the lease table (``503 "1024 leases open"``
+for every peer). What an attacker gets now: 401 for any request not signed with the fleet's
+secret for this very agent within 30 s (``kvgate_transfer_unauthenticated_requests_total``), no
+lease and nothing pinned; a peer past its lease quota gets 429 while other peers are served; a
+node told to pull from an endpoint outside its fleet refuses without contacting it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import pytest
+
+from tests.support.transfer import SECRET, signed
+from tests.test_transfer_mooncake import in_process_owner, puller
+from workers.transfer import TransferError
+from workers.transfer.auth import PeerAuth
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+async def test_unsigned_or_wrongly_signed_control_requests_get_401_and_pin_nothing() -> None:
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    stranger = PeerAuth(b"a-secret-that-is-not-the-fleets", "attacker")
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://{ep}/kv/lease", json={"hashes": chain, "start": 0}) as r:
+                assert r.status == 401 and "unsigned" in (await r.json())["error"]
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain, "start": 0}, auth=stranger) as r:
+                assert r.status == 401 and "bad signature" in (await r.json())["error"]
+            async with s.post(f"http://{ep}/kv/connect", json={}) as r:
+                assert r.status == 401
+            async with s.delete(f"http://{ep}/kv/lease/l1") as r:
+                assert r.status == 401
+        assert holder.pinned == 0 and owner.stats.leases == 0
+        assert owner.stats.unauthenticated == 4
+    finally:
+        await owner.close()
+
+
+async def test_a_signature_for_another_agent_or_a_stale_one_is_refused(monkeypatch) -> None:
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    fleet = PeerAuth(SECRET, "peer")
+    body = b'{"hashes": [1], "start": 0}'
+    try:
+        async with aiohttp.ClientSession() as s:
+            # what a rogue agent received from an honest puller, replayed against this agent
+            elsewhere = fleet.sign("POST", "10.9.9.9:9100", "/kv/lease", body)
+            async with s.post(f"http://{ep}/kv/lease", data=body, headers=elsewhere) as r:
+                assert r.status == 401
+            now = time.time()
+            monkeypatch.setattr(time, "time", lambda: now - 120)
+            stale = fleet.sign("POST", ep, "/kv/lease", body)
+            monkeypatch.setattr(time, "time", lambda: now)
+            async with s.post(f"http://{ep}/kv/lease", data=body, headers=stale) as r:
+                assert r.status == 401 and "clock" in (await r.json())["error"]
+        assert holder.pinned == 0 and owner.stats.leases == 0
+    finally:
+        await owner.close()
+
+
+async def test_one_peer_cannot_fill_the_lease_table_or_release_anothers_lease() -> None:
+    owner, holder, chain = await in_process_owner(max_leases_per_peer=4)
+    ep = owner.endpoint
+    greedy, honest = PeerAuth(SECRET, "greedy"), PeerAuth(SECRET, "honest")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for i in range(4):
+                async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain, "start": 0}, auth=greedy) as r:
+                    assert r.status == 200
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain, "start": 0}, auth=greedy) as r:
+                assert r.status == 429 and "greedy" in (await r.json())["error"]
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain, "start": 0}, auth=honest) as r:
+                lease = await r.json()
+                assert r.status == 200 and lease["held"] == len(chain)
+            async with signed(s, "DELETE", ep, f"/kv/lease/{lease['lease']}", auth=greedy) as r:
+                assert (await r.json())["released"] is False
+            async with signed(s, "DELETE", ep, f"/kv/lease/{lease['lease']}", auth=honest) as r:
+                assert (await r.json())["released"] is True
+        assert owner.stats.over_quota == 1 and owner.stats.leases == 5
+    finally:
+        await owner.close()
+
+
+async def test_a_node_never_pulls_from_an_endpoint_outside_its_fleet() -> None:
+    owner, _, chain = await in_process_owner()
+    rogue, _, _ = await in_process_owner()
+    agent = puller(payload=1024)
+    agent.peers = frozenset({owner.endpoint})
+    try:
+        with pytest.raises(TransferError) as err:
+            await agent.pull(rogue.endpoint, chain, 0, timeout_s=5)
+        assert err.value.reason == "untrusted_source" and agent.stats.failures == {"untrusted_source": 1}
+        assert rogue.stats.leases == 0 and rogue.stats.unauthenticated == 0  # never contacted
+        pulled = await agent.pull(owner.endpoint, chain, 0, timeout_s=5)  # the fleet's owner is fine
+        assert len(pulled.hashes) == len(chain)
+        agent.discard(pulled)
+    finally:
+        await agent.close()
+        await rogue.close()
+        await owner.close()
