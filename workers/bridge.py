@@ -151,6 +151,9 @@ DEGRADED = Gauge(
 REPLAY_FAILURES = Counter(
     "kvgate_bridge_replay_failures_total", "replay requests that failed (reason: timeout, garbage)", ["node", "reason"]
 )
+UNKNOWN_TOPICS = Counter(
+    "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
+)
 WRITER = Gauge(
     "kvgate_bridge_writer", "1 while this bridge holds the node's writer lease (0: another replica writes it)", ["node"]
 )
@@ -162,17 +165,33 @@ _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
 # configuration
 
 
+COLLECTOR = "collector"
+"""``EngineSpec.events`` of an engine whose PUB socket connects to the bridge's collector."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """One engine the bridge follows, and how the node is announced in the directory."""
+    """One engine the bridge follows, and how the node is announced in the directory.
+
+    ``events`` is the engine's PUB endpoint, which the bridge connects to (vLLM binds
+    ``tcp://*:P``), or ``COLLECTOR``: the engine's PUB connects to the endpoint the bridge binds
+    (vLLM given ``tcp://kvgate:P``), its messages told apart by ``topic`` (default
+    ``kv@<address>@<model>``, also matched as ``kv@<host>@<model>``). A collector-fed node cannot
+    be followed per connection, so its liveness is left to the static fleet's health checks.
+    """
 
     node_id: str
     address: str  # "ip:port" of its OpenAI-compatible server (what Envoy routes to)
-    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557"
+    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557", or COLLECTOR
     replay: str | None = None  # ZMQ ROUTER replay endpoint; None = gaps cannot be repaired
     transfer: str = ""  # "ip:port" of its KV transfer agent
     capacity: int = 0  # KV cache size in blocks (0 = unknown)
-    topic: str = ""  # ZMQ topic prefix to subscribe to ("" = all)
+    topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
+    model: str = ""  # the base model it serves ("" = the bridge's)
+
+    @property
+    def collected(self) -> bool:
+        return self.events == COLLECTOR
 
     def node_info(self, model: str) -> NodeInfo:
         return NodeInfo(
@@ -180,15 +199,22 @@ class EngineSpec:
             address=self.address,
             transfer_endpoint=self.transfer,
             capacity_blocks=self.capacity,
-            model=model,
+            model=self.model or model,
         )
 
+    def collector_topics(self, model: str) -> list[str]:
+        if self.topic:
+            return [self.topic]
+        model = self.model or model
+        host = self.address.rsplit(":", 1)[0]
+        return [f"kv@{self.address}@{model}", f"kv@{host}@{model}"]
 
-_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic"}
+
+_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic", "model"}
 
 
 def parse_engine_spec(text: str) -> EngineSpec:
-    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557[,replay=…][,transfer=…][,capacity=N][,topic=…]``."""
+    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557|collector[,replay=…][,transfer=…][,capacity=N][,topic=…][,model=…]``."""
     values: dict[str, str] = {}
     for part in text.split(","):
         part = part.strip()
@@ -223,6 +249,7 @@ def parse_engine_spec(text: str) -> EngineSpec:
         transfer=values.get("transfer", ""),
         capacity=capacity,
         topic=values.get("topic", ""),
+        model=values.get("model", ""),
     )
 
 
@@ -598,6 +625,7 @@ class KVEventBridge:
         engine_timeout_s: float = 3.0,
         max_batch_bytes: int = 16 << 20,
         replay_retry_s: float = 30.0,
+        collector: str | None = None,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -624,8 +652,24 @@ class KVEventBridge:
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
             cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
-            blocks = NodeBlockMap(model=model, block_size=block_size, max_blocks=cap)
+            blocks = NodeBlockMap(model=spec.model or model, block_size=block_size, max_blocks=cap)
             self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
+        self._collector = collector
+        self._routes: dict[bytes, _Stream] = {}  # collector topic -> stream
+        ambiguous: set[bytes] = set()
+        for st in self._streams.values():
+            if not st.spec.collected:
+                continue
+            if collector is None:
+                raise ValueError(f"engine {st.spec.node_id} sends its events to a collector, but none is configured")
+            for topic in (t.encode() for t in st.spec.collector_topics(model)):
+                if topic in self._routes and self._routes[topic] is not st:
+                    ambiguous.add(topic)  # e.g. two engines on one host, both topics host-only
+                self._routes[topic] = st
+        for topic in ambiguous:
+            del self._routes[topic]
+        self._unknown_topics: set[bytes] = set()
+        self._collector_task: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._closed = False
 
@@ -636,9 +680,17 @@ class KVEventBridge:
         if self._ctx is not None:
             raise RuntimeError("bridge already started")
         self._ctx = zmq.asyncio.Context()
+        if self._routes:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.bind(self._collector)  # a taken port fails the start, loudly
+            self._collector_task = asyncio.create_task(self._collect(sock), name="kv-bridge-collector")
         for st in self._streams.values():
             node = st.spec.node_id
-            st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
+            if not st.spec.collected:
+                st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
             st.flusher = asyncio.create_task(self._flush_loop(st), name=f"kv-bridge-flush-{node}")
             st.heartbeat = asyncio.create_task(self._heartbeat_loop(st), name=f"kv-bridge-heartbeat-{node}")
 
@@ -658,6 +710,8 @@ class KVEventBridge:
             return  # never started: nothing was registered or written
         # stop taking events and heartbeating first, then write what is left, then leave
         first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat) if t is not None]
+        if self._collector_task is not None:
+            first.append(self._collector_task)
         for task in first:
             task.cancel()
         await _settle(first)
@@ -693,6 +747,9 @@ class KVEventBridge:
     @property
     def node_ids(self) -> list[str]:
         return list(self._streams)
+
+    def spec(self, node_id: str) -> EngineSpec:
+        return self._streams[node_id].spec
 
     def stats(self, node_id: str) -> NodeStats:
         st = self._streams[node_id]
@@ -764,23 +821,7 @@ class KVEventBridge:
     async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             log.info("node %s: connected to %s", st.spec.node_id, st.spec.events)
-            # events may have been lost while we were not connected: rebuild the map from the
-            # engine's history, then rewrite the node from it. Never clear it first: what the
-            # directory holds may still be true (another bridge wrote it, or we did before a
-            # dropped socket), and a history that no longer reaches seq 0 cannot prove otherwise.
-            RESETS.labels(st.spec.node_id, "connect").inc()
-            st.resets += 1
-            st.blocks.forget()
-            st.authoritative = False
-            st.expected = None
-            st.last_live = None
-            st.engine_block_size = None  # the engine may have been restarted with other settings
-            self._recover(st, "block_size")
-            await self._catch_up(st)
-            st.rewrite_all = True
-            st.dirty.set()
-            st.connected = True  # registration follows the catch-up: no stale entries go live first
-            st.liveness_changed.set()
+            await self._connected(st)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             log.warning("node %s: lost %s; heartbeats stop", st.spec.node_id, st.spec.events)
             st.connected = False
@@ -788,6 +829,54 @@ class KVEventBridge:
             st.registered = False
             st.expected = None
             st.liveness_changed.set()
+
+    async def _connected(self, st: _Stream, live_seq: int | None = None) -> None:
+        """Events may have been lost while we were not connected: rebuild the map from the
+        engine's history, then rewrite the node from it. Never clear it first: what the directory
+        holds may still be true (another bridge wrote it, or we did before a dropped socket), and
+        a history that no longer reaches seq 0 cannot prove otherwise."""
+        RESETS.labels(st.spec.node_id, "connect").inc()
+        st.resets += 1
+        st.blocks.forget()
+        st.authoritative = False
+        st.expected = None
+        st.last_live = None
+        st.engine_block_size = None  # the engine may have been restarted with other settings
+        self._recover(st, "block_size")
+        await self._catch_up(st, live_seq=live_seq)
+        st.rewrite_all = True
+        st.dirty.set()
+        st.connected = True  # registration follows the catch-up: no stale entries go live first
+        st.liveness_changed.set()
+
+    async def _collect(self, sock: zmq.asyncio.Socket) -> None:
+        """Engines whose PUB connects to us: one bound SUB, messages routed by topic."""
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                st = self._routes.get(frames[0]) if len(frames) == 3 else None
+                if st is None:
+                    UNKNOWN_TOPICS.inc()
+                    if len(self._unknown_topics) < 64 and frames[0] not in self._unknown_topics:
+                        self._unknown_topics.add(frames[0])
+                        log.warning("collector: ignoring messages of topic %r (no configured node)", frames[0][:200])
+                    continue
+                try:
+                    if not st.connected:  # its first message since we started: catch up first
+                        try:
+                            live = decode_seq(frames[1])
+                        except KVEventDecodeError:
+                            live = None
+                        log.info("node %s: events arriving at the collector", st.spec.node_id)
+                        await self._connected(st, live_seq=live)
+                    await self._on_message(st, frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug must not stop every collected node's events
+                    log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
+                    self._count_malformed(st)
+        finally:
+            sock.close(linger=0)
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
         if not st.connected:
@@ -1106,17 +1195,20 @@ class KVEventBridge:
             if st.connected:
                 try:
                     await self._hold_lease(st)
-                    if st.writer and st.registered:
-                        try:
-                            await self._directory.heartbeat(st.spec.node_id)
-                        except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
-                            st.registered = False
-                            st.rewrite_all = True
-                            st.dirty.set()
-                    if st.writer and not st.registered:
-                        await self._directory.register_node(st.info)
-                        st.registered = True
-                        st.withdraw = False
+                    # a collected node's liveness is the static fleet's health checks: we cannot
+                    # see its socket, so we only write its entries
+                    if st.writer and not st.spec.collected:
+                        if st.registered:
+                            try:
+                                await self._directory.heartbeat(st.spec.node_id)
+                            except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
+                                st.registered = False
+                                st.rewrite_all = True
+                                st.dirty.set()
+                        if not st.registered:
+                            await self._directory.register_node(st.info)
+                            st.registered = True
+                            st.withdraw = False
                 except Exception as exc:
                     if not isinstance(exc, DirectoryUnavailable):
                         log.exception("node %s: registration failed", st.spec.node_id)
