@@ -441,6 +441,12 @@ class KvgateConfig(BaseSettings):
     tokenizer: TokenizerConfig = TokenizerConfig()
     directory: DirectoryConfig = DirectoryConfig()
     fleet: list[NodeConfig] = Field(default_factory=list, description="static fleet (bridges may register more)")
+    max_tracked_blocks_per_node: int = Field(
+        1_000_000,
+        ge=1,
+        description="KV-event bridge memory bound: engine blocks tracked per followed node (~210 B each, in every "
+        "replica); past it the node is cleared and rebuilt. Set it above the engines' KV capacity in blocks",
+    )
     events_collector: str = Field(
         "",
         description="ZMQ endpoint kvgate binds for engines whose PUB connects to it (vLLM given "

@@ -230,6 +230,16 @@ def test_map_is_bounded() -> None:
         m.apply(stored([4], tokens(48, 1), parent=3))
 
 
+def test_map_memory_per_tracked_block() -> None:
+    """What each replica pays per engine block it follows (issue: 361 B as objects, 4M blocks per
+    node by default = 1.4 GB): now plain ints, bounded by max_blocks_per_node (default 1M)."""
+    from workers.bridge_memory import bytes_per_block
+
+    per = bytes_per_block(64_000)
+    print(f"\nbridge map: {per:.0f} B per tracked block")
+    assert per < 260
+
+
 def test_engine_spec_parsing() -> None:
     spec = parse_engine_spec("node_id=n1,address=127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,capacity=64")
     assert spec == EngineSpec("n1", "127.0.0.1:8001", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", capacity=64)

@@ -48,9 +48,12 @@ What it guarantees (and what it does not):
   its entries from the map (replaced or added to, as above), so nothing is lost but freshness
   during the outage.
 * **Bounded memory.** The map holds one entry per block the engine currently caches (every store
-  is matched by a removal), so it is bounded by the engine's capacity; ``max_blocks_per_node``
-  (default 8× the declared capacity, or 4M) guards against an engine that never sends removals:
-  past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
+  is matched by a removal), so it is bounded by the engine's capacity: ~210 B per tracked block
+  (``python -m workers.bridge_memory``; plain ints in two dicts, it was ~310 B as objects), held
+  by every replica following the node, writer or not. ``max_blocks_per_node`` (default 8× the
+  declared capacity, else 1M blocks ≈ 200 MiB) guards against an engine that never sends
+  removals: past it the node is cleared and rebuilt. Pending changes are a dict over the same
+  keys, emptied by every flush.
 * **Untrusted input.** A batch that does not decode, or is larger than ``max_batch_bytes``
   (default 16 MiB; vLLM's per-step batches are kilobytes), is logged, counted
   (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed
@@ -159,6 +162,8 @@ WRITER = Gauge(
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
+DEFAULT_MAX_BLOCKS_PER_NODE = 1_000_000
+"""Blocks tracked per node when the engine's capacity is unknown (~200 MiB at ~210 B a block)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,14 +266,9 @@ class BlockMapOverflow(Exception):
     """More blocks than ``max_blocks``: the engine is not announcing its evictions."""
 
 
-class _Held:
-    """One engine block: its kvgate key and a bitmask of the tiers (``1 << Tier``) holding it."""
-
-    __slots__ = ("key", "tiers")
-
-    def __init__(self, key: BlockKey) -> None:
-        self.key = key
-        self.tiers = 0
+_TIER_BITS = 3  # an engine block is one int: its kvgate key << 3 | bitmask of tiers (1 << Tier) holding it
+_COUNT_BITS = 32  # a key's holders are one int: a 32-bit holder count per tier
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,10 +316,11 @@ class NodeBlockMap:
         self._model = model
         self._block_size = block_size
         self._max_blocks = max_blocks
-        self._by_hash: dict[int, _Held] = {}
-        self._holders: dict[BlockKey, list[int]] = {}  # key -> holder count per tier
+        # plain ints, not objects: ~200 B a tracked block instead of ~310 (bench: workers/bridge_memory.py)
+        self._by_hash: dict[int, int] = {}  # engine hash (+ group) -> key << 3 | tiers
+        self._holders: dict[int, int] = {}  # key -> holder count per tier, packed
         self._seeds: dict[str | None, int] = {}  # unsalted seed per LoRA name
-        self._touched: dict[BlockKey, int] = {}  # key -> its tier mask at the last take_changes
+        self._touched: dict[int, int] = {}  # key -> its tier mask at the last take_changes
         self.cleared = False  # the directory must clear the node before the next changes
 
     def __len__(self) -> int:
@@ -382,13 +383,13 @@ class NodeBlockMap:
         out: dict[Tier, list[BlockKey]] = {}
         for key, counts in self._holders.items():
             for tier in _TIERS:
-                if counts[tier]:
-                    out.setdefault(tier, []).append(key)
+                if counts >> (tier * _COUNT_BITS) & _COUNT_MASK:
+                    out.setdefault(tier, []).append(BlockKey(key))
         return out
 
     def key_of(self, engine_hash: int, group_idx: int | None = None) -> BlockKey | None:
         held = self._by_hash.get(_slot(engine_hash, group_idx))
-        return None if held is None else held.key
+        return None if held is None else BlockKey(held >> _TIER_BITS)
 
     def apply(self, event: KVEvent) -> tuple[str, int] | None:
         """Apply one event; returns ``(reason, blocks)`` when stored blocks had to be dropped.
@@ -431,23 +432,24 @@ class NodeBlockMap:
             parent = self._by_hash.get(_slot(ev.parent_block_hash, ev.group_idx))
             if parent is None:
                 return ("unknown_parent", n)
-            parent_key = parent.key
+            parent_key = parent >> _TIER_BITS
         tokens = ev.token_ids if keyable == n else ev.token_ids[: keyable * self._block_size]
         keys = block_keys(tokens, block_size=self._block_size, seed=self._seed(ev.lora_name, salt), parent=parent_key)
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
+        by_hash = self._by_hash
         for engine_hash, key in zip(ev.block_hashes, keys):
             slot = _slot(engine_hash, ev.group_idx)
-            held = self._by_hash.get(slot)
-            if held is not None and held.key != key:
+            held = by_hash.get(slot)
+            if held is not None and held >> _TIER_BITS != key:
                 self._forget(slot, held)  # same engine hash, other tokens: the engine reused it
                 held = None
             if held is None:
-                if len(self._by_hash) >= self._max_blocks:
+                if len(by_hash) >= self._max_blocks:
                     raise BlockMapOverflow(f"more than {self._max_blocks} blocks tracked")
-                held = self._by_hash[slot] = _Held(key)
-            if not held.tiers & bit:
-                held.tiers |= bit
+                held = key << _TIER_BITS
+            if not held & bit:
+                by_hash[slot] = held | bit
                 self._count(key, tier, +1)
         return None if keyable == n else ("extra_keys", n - keyable)
 
@@ -458,12 +460,13 @@ class NodeBlockMap:
         bit = 1 << tier
         unknown = 0
         for engine_hash in ev.block_hashes:
-            held = self._by_hash.get(_slot(engine_hash, ev.group_idx))
+            slot = _slot(engine_hash, ev.group_idx)
+            held = self._by_hash.get(slot)
             if held is None:
                 unknown += 1
-            elif not held.tiers & bit:
-                held.tiers |= bit
-                self._count(held.key, tier, +1)
+            elif not held & bit:
+                self._by_hash[slot] = held | bit
+                self._count(held >> _TIER_BITS, tier, +1)
         return ("no_tokens", unknown) if unknown else None
 
     def _removed(self, ev: BlockRemoved) -> None:
@@ -472,27 +475,29 @@ class NodeBlockMap:
         for engine_hash in ev.block_hashes:
             slot = _slot(engine_hash, ev.group_idx)
             held = self._by_hash.get(slot)
-            if held is None or not held.tiers & bit:
+            if held is None or not held & bit:
                 continue  # never announced to us (or already gone): nothing to undo
-            held.tiers &= ~bit
-            self._count(held.key, tier, -1)
-            if not held.tiers:
+            held &= ~bit
+            self._count(held >> _TIER_BITS, tier, -1)
+            if held & _TIERS_MASK:
+                self._by_hash[slot] = held
+            else:
                 del self._by_hash[slot]
 
-    def _forget(self, slot: int, held: _Held) -> None:
+    def _forget(self, slot: int, held: int) -> None:
         for tier in _TIERS:
-            if held.tiers & (1 << tier):
-                self._count(held.key, tier, -1)
+            if held & (1 << tier):
+                self._count(held >> _TIER_BITS, tier, -1)
         del self._by_hash[slot]
 
-    def _count(self, key: BlockKey, tier: Tier, delta: int) -> None:
-        counts = self._holders.get(key)
-        if counts is None:
-            counts = self._holders[key] = [0, 0, 0]
+    def _count(self, key: int, tier: Tier, delta: int) -> None:
+        counts = self._holders.get(key, 0)
         if key not in self._touched:
             self._touched[key] = _mask(counts)
-        counts[tier] += delta
-        if not any(counts):
+        counts += delta << (tier * _COUNT_BITS)
+        if counts:
+            self._holders[key] = counts
+        else:
             del self._holders[key]
 
 
@@ -535,10 +540,18 @@ def _slot(engine_hash: int, group_idx: int | None) -> int:
     return engine_hash | ((group_idx or 0) << 64)
 
 
-def _mask(counts: list[int] | None) -> int:
-    if counts is None:
+_TIERS_MASK = (1 << len(_TIERS)) - 1
+
+
+def _mask(counts: int | None) -> int:
+    """Bitmask of the tiers a key has at least one holder in."""
+    if not counts:
         return 0
-    return (counts[0] > 0) | (counts[1] > 0) << 1 | (counts[2] > 0) << 2
+    return (
+        (counts & _COUNT_MASK > 0)
+        | (counts >> _COUNT_BITS & _COUNT_MASK > 0) << 1
+        | (counts >> 2 * _COUNT_BITS & _COUNT_MASK > 0) << 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -634,6 +647,8 @@ class KVEventBridge:
             raise ValueError(f"engine node_ids must be unique: {ids}")
         if block_size <= 0:
             raise ValueError("block_size must be positive")
+        if max_blocks_per_node is not None and max_blocks_per_node <= 0:
+            raise ValueError("max_blocks_per_node must be positive")
         self._directory = directory
         self._model = model
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -651,7 +666,7 @@ class KVEventBridge:
         self._max_batch_bytes = max_batch_bytes
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
-            cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
+            cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else DEFAULT_MAX_BLOCKS_PER_NODE)
             blocks = NodeBlockMap(model=spec.model or model, block_size=block_size, max_blocks=cap)
             self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
         self._collector = collector

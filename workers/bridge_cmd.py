@@ -54,6 +54,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "[,capacity=BLOCKS][,topic=PREFIX][,model=NAME]; repeat for each engine",
     )
     parser.add_argument(
+        "--max-blocks-per-node",
+        type=int,
+        default=None,
+        help="engine blocks tracked per node (~210 B each); past it the node is cleared and rebuilt "
+        "(default: 8x the engine's capacity= if given, else 1000000)",
+    )
+    parser.add_argument(
         "--collector",
         default=None,
         metavar="ENDPOINT",
@@ -100,6 +107,7 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
                 replay_timeout_s=args.replay_timeout,
                 engine_timeout_s=args.engine_timeout,
                 collector=args.collector,
+                max_blocks_per_node=args.max_blocks_per_node,
             )
         except ValueError as exc:
             log.error("%s", exc)
