@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from directory_client.sampling import KeySampler, check_keys
 from directory_client.types import (
@@ -134,6 +134,7 @@ class InProcessDirectory:
         self._nodes: dict[str, _Node] = {}
         self._loads: dict[str, _Load] = {}
         self._tokens = itertools.count(1)
+        self._writers: dict[str, tuple[str, float]] = {}  # node -> (owner, lease end)
 
     @property
     def index_stride(self) -> int:
@@ -225,6 +226,48 @@ class InProcessDirectory:
         st = self._state(node_id, self._clock())
         if st is not None:
             st.blocks.clear()
+
+    # -- one writer per node -------------------------------------------------------------------
+
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
+        check_node_id(node_id)
+        if not owner or ttl_s <= 0:
+            raise ValueError("claim_writer needs an owner and a positive ttl")
+        now = self._clock()
+        held = self._writers.get(node_id)
+        if held is not None and held[0] != owner and held[1] > now:
+            return False
+        self._writers[node_id] = (owner, now + ttl_s)
+        return True
+
+    async def release_writer(self, node_id: str, owner: str) -> None:
+        check_node_id(node_id)
+        held = self._writers.get(node_id)
+        if held is not None and held[0] == owner:
+            del self._writers[node_id]
+
+    async def replace_node(self, node_id: str, blocks: Mapping[Tier, Sequence[BlockKey]]) -> None:
+        check_node_id(node_id)
+        fresh: dict[int, int] = {}
+        for tier, keys in blocks.items():
+            check_tier(tier, optional=False)
+            check_keys(keys)
+            bit = 1 << int(tier)
+            for k in self.sampler.select(keys):
+                fresh[k] = fresh.get(k, 0) | bit
+        now = self._clock()
+        st = self._state(node_id, now)
+        if st is None:
+            st = self._nodes[node_id] = _Node()
+        st.blocks = fresh
+        self._touch(st, now)
+
+    async def retire_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        now = self._clock()
+        st = self._state(node_id, now)
+        if st is not None:
+            st.alive_until = min(st.alive_until, now)
 
     # -- lookup --------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import json
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -299,6 +299,54 @@ class RedisDirectoryBase(ABC):
         await self._check_config()
         async with self._io("clear_node"):
             await self._client.delete(self._keys(node_id).blocks)
+
+    # -- one writer per node (P:{node}:writer holds the owner id, with a TTL) ---------------------
+
+    _REPLACE_CHUNK = 4096  # keys per staging write: a script call stays short for other clients
+
+    def _lease_key(self, node_id: str) -> str:
+        return f"{self.key_prefix}:{{{node_id}}}:writer"
+
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
+        check_node_id(node_id)
+        if not owner or ttl_s <= 0:
+            raise ValueError("claim_writer needs an owner and a positive ttl")
+        async with self._io("claim_writer"):
+            held = await self._eval("writer_claim", (self._lease_key(node_id),), (owner, max(1, int(ttl_s * 1000))))
+        return held == 1
+
+    async def release_writer(self, node_id: str, owner: str) -> None:
+        check_node_id(node_id)
+        async with self._io("release_writer"):
+            await self._eval("writer_release", (self._lease_key(node_id),), (owner,))
+
+    async def replace_node(self, node_id: str, blocks: Mapping[Tier, Sequence[BlockKey]]) -> None:
+        """Stage the new entries beside the old ones (same hash tag), then swap them in one script."""
+        check_node_id(node_id)
+        for tier, keys in blocks.items():
+            check_tier(tier, optional=False)
+            check_keys(keys)
+        await self._check_config()
+        nk = self._keys(node_id)
+        staging = nk.blocks + ":next"
+        async with self._io("replace_node"):
+            await self._client.delete(staging)
+        for tier, keys in blocks.items():
+            kept = self.sampler.select(keys)
+            for i in range(0, len(kept), self._REPLACE_CHUNK):
+                chunk = pack_keys(kept[i : i + self._REPLACE_CHUNK])
+                async with self._io("replace_node"):  # each call bounded on its own: a big node takes many
+                    await self._eval("record_stored", (nk.meta, staging), (1 << int(tier), self._keep_ms, chunk))
+        async with self._io("replace_node"):
+            await self._eval("replace_commit", (nk.meta, nk.blocks, staging), (self._keep_ms,))
+
+    async def retire_node(self, node_id: str) -> None:
+        check_node_id(node_id)
+        await self._check_config()
+        async with self._io("retire_node"):
+            await self._eval("retire", (self._keys(node_id).meta,), ())
+            await self._client.zadd(self._registry, {node_id: 0}, xx=True)
+        self._live_ids_changed()
 
     # -- lookup --------------------------------------------------------------------------------
 

@@ -24,6 +24,10 @@ SCRIPT_NAMES = (
     "node_info",
     "reserve",
     "release",
+    "writer_claim",
+    "writer_release",
+    "retire",
+    "replace_commit",
 )
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -125,6 +125,20 @@ class Directory(Protocol):
     async def record_stored(self, node_id: str, keys: Sequence[BlockKey], tier: Tier = Tier.GPU) -> None: ...
     async def record_removed(self, node_id: str, keys: Sequence[BlockKey], tier: Tier | None = None) -> None: ...
     async def clear_node(self, node_id: str) -> None: ...
+
+    # one KV-event bridge writes a node's entries at a time (several gateway replicas may follow
+    # the same engine): it holds a lease, the others follow and take over when it lapses
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
+        """Take or renew the node's writer lease for ``ttl_s``; False while another owner holds it."""
+        ...
+    async def release_writer(self, node_id: str, owner: str) -> None: ...
+    async def replace_node(self, node_id: str, blocks: Mapping[Tier, Sequence[BlockKey]]) -> None:
+        """The node's entries become exactly ``blocks`` (per tier), in one step for lookups."""
+        ...
+    async def retire_node(self, node_id: str) -> None:
+        """Stop returning the node at once but keep its entries for the retention: a bridge that
+        lost its engine's socket brings them back whole by registering again."""
+        ...
 
     async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView: ...
 

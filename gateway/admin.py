@@ -65,6 +65,8 @@ def build_admin_app(
         except (DirectoryUnavailable, asyncio.TimeoutError) as e:
             ready = False
             body["directory"] = f"unavailable: {type(e).__name__}"
+        if monitor is not None and (degraded := monitor.degraded()):
+            body["degraded_nodes"] = degraded  # routed by load only; the replica itself is ready
         body["ready"] = ready
         return web.json_response(body, status=200 if ready else 503)
 

@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Literal, TypeVar
 
 import msgspec
@@ -57,7 +57,7 @@ from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SO
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
 from tokenizer import InvalidPrompt, PreparedPrompt, PromptHead, PromptTokenizer, PromptTooLarge
-from tokenizer.keys import PrefixKeyCache, namespace_seed
+from tokenizer.keys import PrefixKeyCache, request_seed
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from gateway.tracing import DecisionTracer
@@ -83,6 +83,7 @@ class RoutingLimits:
     max_body_bytes: int = 8 << 20
     max_prompt_tokens: int = 131072
     models: frozenset[str] = frozenset()  # empty: accept any model name
+    lora_adapters: Mapping[str, str] = field(default_factory=dict)  # adapter name -> base model (key seeds)
     lookup_timeout_s: float = 0.025
     max_prompt_bytes: int = 1 << 20  # rendered prompt text beyond this is passed through untokenized
     head_chars: int = 8192  # fresh text beyond this is first routed on its head (0: always tokenize all)
@@ -237,7 +238,7 @@ class RoutingCore:
                 f"This model's maximum context length is {lim.max_prompt_tokens} tokens. "
                 f"However, you requested {n_tokens} tokens in the messages.",
             )
-        seed = namespace_seed(prompt.model, lora=prompt.lora, cache_salt=prompt.cache_salt)
+        seed = request_seed(prompt.model, cache_salt=prompt.cache_salt, adapters=lim.lora_adapters)
         keys = self.keys.block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
         request = RoutingRequest(
             model=prompt.model,
@@ -270,7 +271,7 @@ class RoutingCore:
         None when some node may hold more: the caller tokenizes everything and asks again.
         """
         lim = self.limits
-        seed = namespace_seed(head.model, lora=head.lora, cache_salt=head.cache_salt)
+        seed = request_seed(head.model, cache_salt=head.cache_salt, adapters=lim.lora_adapters)
         keys = self.keys.block_keys(head.token_ids, block_size=lim.block_size, seed=seed)
         if not len(keys) or head.estimated_tokens > lim.max_prompt_tokens:
             return None

@@ -58,8 +58,9 @@ class FleetSnapshot:
         }
 
 
-_BRIDGE_FIELDS = ("connected", "registered", "batches", "gaps_repaired", "gaps_unrecoverable", "resets",
-                  "dropped_blocks", "malformed_batches", "directory_errors")  # fmt: skip
+_BRIDGE_FIELDS = ("connected", "registered", "writer", "degraded", "engine_block_size", "batches", "gaps_repaired",
+                  "gaps_unrecoverable", "resets", "dropped_blocks", "malformed_batches", "replay_failures",
+                  "directory_errors")  # fmt: skip
 
 
 class FleetMonitor:
@@ -121,6 +122,10 @@ class FleetMonitor:
                 stats = bridged.get(node_id)
                 by_id[node_id] = NodeStatus(node_id=node_id, address=address, live=False, bridge=_bridge_view(stats))
         return FleetSnapshot(taken, tuple(by_id[k] for k in sorted(by_id)), "directory")
+
+    def degraded(self) -> dict[str, str]:
+        """Nodes this process's bridges route by load only, and why (no directory call)."""
+        return {node_id: s.degraded for node_id, s in self._bridge_stats().items() if getattr(s, "degraded", "")}
 
     def _bridge_stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

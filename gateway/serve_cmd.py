@@ -67,7 +67,8 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_body_bytes=cfg.limits.max_body_bytes,
         max_prompt_tokens=cfg.limits.max_prompt_tokens,
         max_prompt_bytes=cfg.limits.max_prompt_bytes,
-        models=frozenset(cfg.models),
+        models=frozenset(cfg.models) | frozenset(cfg.lora_adapters) if cfg.models else frozenset(),
+        lora_adapters=dict(cfg.lora_adapters),
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
     )
 
@@ -83,9 +84,17 @@ def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
 
 def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     """One in-process KV-event bridge per model among the nodes that publish events."""
-    from workers.bridge import EngineSpec, KVEventBridge
+    from workers.bridge import COLLECTOR, EngineSpec, KVEventBridge
 
     by_model: dict[str, list[EngineSpec]] = {}
+    collected = [
+        EngineSpec(
+            node_id=n.node_id, address=n.address, events=COLLECTOR, replay=n.replay_endpoint or None,
+            transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n),
+        )
+        for n in cfg.fleet
+        if cfg.events_collector and not n.events_endpoint
+    ]  # fmt: skip
     for n in cfg.fleet:
         if n.events_endpoint:
             by_model.setdefault(cfg.node_model(n), []).append(
@@ -97,7 +106,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
                     transfer=n.transfer_endpoint,
                 )
             )
-    return [
+    bridges = [
         KVEventBridge(
             directory,
             specs,
@@ -107,6 +116,14 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
         )
         for model, specs in by_model.items()
     ]
+    if collected:  # one socket for every engine that connects to us, whatever its model
+        bridges.append(
+            KVEventBridge(
+                directory, collected, model=collected[0].model, block_size=cfg.block_size,
+                heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1), collector=cfg.events_collector,
+            )  # fmt: skip
+        )
+    return bridges
 
 
 async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
@@ -185,7 +202,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:
-            await bridge.aclose()
+            await bridge.aclose(deregister=False)  # other replicas may follow these engines
         await keeper.aclose()
         await directory.aclose()
         if tracing is not None:

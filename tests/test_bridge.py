@@ -15,10 +15,11 @@ import zmq
 from prometheus_client import REGISTRY
 
 from directory_client import open_directory
-from directory_client.types import Directory, DirectoryUnavailable, Tier
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, Tier
 from tests.conftest import REPO, free_port
-from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from tokenizer.keys import BlockKey, block_keys, namespace_seed, request_seed
 from workers.bridge import (
+    COLLECTOR,
     BlockMapOverflow,
     EngineSpec,
     KVEventBridge,
@@ -98,6 +99,62 @@ def test_map_lora_name_changes_the_seed_of_root_blocks() -> None:
     m.apply(stored([1], tokens(0, 1), lora_name="adapter-a"))
     assert m.key_of(1) == keys_of(tokens(0, 1), lora="adapter-a")[0]
     assert m.key_of(1) != keys_of(tokens(0, 1))[0]
+
+
+def salted_keys(toks: Sequence[int], salt: str | None, *, lora: str | None = None) -> list[BlockKey]:
+    """The gateway's keys for a prompt sent with body ``cache_salt`` (and model = the adapter)."""
+    adapters = {lora: MODEL} if lora else {}
+    return block_keys(toks, block_size=BS, seed=request_seed(lora or MODEL, cache_salt=salt, adapters=adapters))
+
+
+def test_map_keys_salted_blocks_as_the_gateway_keys_salted_prompts() -> None:
+    """vLLM 0.32 puts ``cache_salt`` in block 0's ``extra_keys`` only (after the LoRA name, which
+    every block of a LoRA request carries). Before: the bridge ignored it, so a tenant's salted
+    blocks were recorded under the unsalted key: its prompts never hit, and anyone's unsalted
+    guess of them was routed to the owner (a cross-tenant prefix oracle)."""
+    prompt = tokens(0, 3)
+    m = new_map()
+    m.apply(stored([1, 2], prompt[:32], extra_keys=[["tenant-a"], None]))
+    m.apply(stored([3], prompt[32:], parent=2))
+    assert [m.key_of(h) for h in (1, 2, 3)] == salted_keys(prompt, "tenant-a")
+    # salted and unsalted twins never share a key, nor do two salts
+    unsalted, other = salted_keys(prompt, None), salted_keys(prompt, "tenant-b")
+    assert not set(salted_keys(prompt, "tenant-a")) & (set(unsalted) | set(other))
+    # LoRA: every block carries the adapter name first, block 0 then the salt
+    m.apply(stored([11, 12], prompt[:32], lora_name="ad", extra_keys=[["ad", "tenant-a"], ["ad"]]))
+    assert [m.key_of(h) for h in (11, 12)] == salted_keys(prompt, "tenant-a", lora="ad")[:2]
+    m.apply(stored([21], prompt[:16], lora_name="ad", extra_keys=[["ad"]]))
+    assert m.key_of(21) == salted_keys(prompt, None, lora="ad")[0] != m.key_of(11)
+
+
+def test_map_drops_blocks_whose_content_tokens_do_not_decide() -> None:
+    """Multimodal placeholders (``(mm_identifier, offset)``), prompt embeddings, an unnamed LoRA
+    (deprecated ``lora_id`` only) or a salt past block 0: their keys from token IDs alone would
+    claim what the node does not hold, so they are dropped and counted, with their descendants."""
+    m = new_map()
+    assert m.apply(stored([1, 2], tokens(0, 2), extra_keys=[None, [["img-sha", 0]]])) == ("extra_keys", 1)
+    assert m.key_of(1) is not None and m.key_of(2) is None
+    assert m.apply(stored([3], tokens(0, 1), extra_keys=[[b"embeds-digest"]])) == ("extra_keys", 1)
+    assert m.apply(stored([4], tokens(0, 1), lora_id=7)) == ("lora_unnamed", 1)
+    assert m.apply(stored([5], tokens(16, 1), parent=1, extra_keys=[["late-salt"]])) == ("extra_keys", 1)
+    assert m.apply(stored([6, 7], tokens(0, 2), extra_keys=[None])) == ("extra_keys", 2)  # one entry short
+    # an unknown engine's tagged form is understood too
+    m.apply(stored([8], tokens(0, 1), extra_keys=[[["cache_salt", "tenant-a"]]]))
+    assert m.key_of(8) == salted_keys(tokens(0, 1), "tenant-a")[0]
+
+
+def test_map_offload_events_without_tokens_add_a_tier_to_blocks_it_knows() -> None:
+    """vLLM's CPU-offload connector may announce a block with no token IDs (it lacks the metadata):
+    such a block cannot be keyed from its tokens, but if its engine hash is one we keyed when it
+    was stored on the GPU, its CPU copy is that same key; otherwise it is dropped and counted."""
+    m = new_map()
+    m.apply(stored([1, 2], tokens(0, 2)))
+    m.take_changes()
+    offload = BlockStored(block_hashes=[2, 77], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU")
+    assert m.apply(offload) == ("no_tokens", 1)
+    assert m.take_changes() == (False, [TierChange(keys_of(tokens(0, 2))[1], (Tier.CPU,), ())])
+    m.apply(BlockRemoved(block_hashes=[2], medium="GPU"))  # evicted from the GPU: the CPU copy stays
+    assert m.key_of(2) == keys_of(tokens(0, 2))[1]
 
 
 def test_map_unknown_parent_drops_the_blocks_and_their_descendants() -> None:
@@ -188,8 +245,12 @@ def test_engine_spec_parsing() -> None:
 class Engine:
     """A real publisher on free loopback ports, plus the spec a bridge needs to follow it."""
 
-    def __init__(self, node_id: str, *, buffer_batches: int = 10_000, wire_format: str = "map", replay: bool = True) -> None:
+    def __init__(
+        self, node_id: str, *, buffer_batches: int = 10_000, wire_format: str = "map", replay: bool = True,
+        replay_form: str = "topic",
+    ) -> None:  # fmt: skip
         self.node_id = node_id
+        self.replay_form = replay_form
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}" if replay else None
         self.buffer_batches = buffer_batches
@@ -198,7 +259,8 @@ class Engine:
 
     def start(self) -> KVEventPublisher:
         return KVEventPublisher(
-            self.events, replay_endpoint=self.replay, buffer_batches=self.buffer_batches, wire_format=self.wire_format  # type: ignore[arg-type]
+            self.events, replay_endpoint=self.replay, buffer_batches=self.buffer_batches, wire_format=self.wire_format,  # type: ignore[arg-type]
+            replay_form=self.replay_form, topic=f"kv@{self.node_id}@{MODEL}",  # type: ignore[arg-type]
         )
 
     @property
@@ -259,8 +321,14 @@ async def _eq(value: Awaitable[int], expected: int) -> bool:
     return await value == expected
 
 
-async def test_bridge_catches_up_on_history_published_before_it_started(directory: Directory, node_id: str) -> None:
-    eng = Engine(node_id)
+@pytest.mark.parametrize("replay_form", ["topic", "plain"])
+async def test_bridge_catches_up_on_history_published_before_it_started(
+    directory: Directory, node_id: str, replay_form: str
+) -> None:
+    """Current vLLM answers replay with a topic frame (4 frames at the bridge), older vLLM and
+    SGLang without: the history published before the bridge started is in the directory either
+    way (before: `replay answer of 4 frames` logged, the directory held 0 blocks)."""
+    eng = Engine(node_id, replay_form=replay_form)
     prompt = tokens(0, 3)
     eng.pub.publish([stored([1], prompt[:16])])
     eng.pub.publish([stored([2, 3], prompt[16:], parent=1)])
@@ -394,6 +462,97 @@ async def test_malformed_batch_is_skipped_and_the_bridge_goes_on(directory: Dire
         assert (s.malformed_batches, s.rejected_events, s.gaps_repaired) == (2, 1, 0)
         assert REGISTRY.get_sample_value("kvgate_bridge_malformed_batches_total", {"node": node_id}) == s.malformed_batches
     eng.pub.close()
+
+
+async def test_engine_block_size_mismatch_is_flagged_and_the_node_routed_by_load(
+    directory: Directory, node_id: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An engine whose block size differs from kvgate's (vLLM forces 64 for MLA models) has every
+    block dropped: before, silently (a counter); now the bridge learns the engine's size from its
+    events, logs the node and both sizes, exports them and marks the node degraded (its entries
+    dropped, so it is chosen by load alone) while it stays live."""
+    eng = Engine(node_id)
+    a = tokens(0, 2)
+    async with make_bridge(directory, eng) as bridge:
+        await connected(bridge, directory, node_id)
+        eng.pub.publish([stored([1, 2], a)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(a)), 2))
+        eng.pub.publish([BlockStored(block_hashes=[3], parent_block_hash=None, token_ids=tokens(500, 4), block_size=64)])
+        await eventually(lambda: _true(bridge.stats(node_id).degraded != ""), what="node degraded")
+        s = bridge.stats(node_id)
+        assert s.engine_block_size == 64 and "block_size" in s.degraded
+        assert REGISTRY.get_sample_value("kvgate_bridge_engine_block_size", {"node": node_id}) == 64
+        assert REGISTRY.get_sample_value("kvgate_bridge_node_degraded", {"node": node_id, "reason": "block_size"}) == 1
+        assert any(node_id in r.message and "64" in r.message and "16" in r.message for r in caplog.records)
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(a)), 0), what="entries dropped")
+        assert await live(directory, node_id)  # still routed, by load
+        ready = await readyz(directory, bridge)
+        assert ready["ready"] and "engine block size 64, configured 16" in ready["degraded_nodes"][node_id]
+        eng.pub.publish([stored([4], tokens(900, 1))])  # a right-sized block changes nothing now
+        await asyncio.sleep(0.2)
+        assert await held(directory, node_id, keys_of(tokens(900, 1))) == 0
+    eng.pub.close()
+
+
+async def test_engines_whose_pub_connects_to_the_collector_are_followed_by_topic(directory: Directory, node_id: str) -> None:
+    """vLLM binds its PUB only for ``tcp://*:P``; given ``tcp://kvgate:P`` it connects. The bridge
+    then binds one collector socket and tells engines apart by topic ``kv@<address>@<model>``
+    (or ``kv@<host>@<model>``, as in ``kv@$(POD_IP)@model``); replay still goes to each engine.
+    A topic naming no configured node is counted and ignored: nobody registers a node by sending."""
+    collector = f"tcp://127.0.0.1:{free_port()}"
+    a_addr, b_addr = f"127.0.0.1:{free_port()}", "127.0.0.2:8000"
+    pubs = {
+        "a": KVEventPublisher(collector, connect=True, topic=f"kv@{a_addr}@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        "b": KVEventPublisher(collector, connect=True, topic=f"kv@127.0.0.2@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        "x": KVEventPublisher(collector, connect=True, topic=f"kv@10.9.9.9:1@{MODEL}"),
+    }  # fmt: skip
+    ids = {"a": node_id + "-a", "b": node_id + "-b"}
+    specs = [
+        EngineSpec(ids["a"], a_addr, COLLECTOR, replay=pubs["a"].replay_endpoint),
+        EngineSpec(ids["b"], b_addr, COLLECTOR, replay=pubs["b"].replay_endpoint),
+    ]
+    history, a, b = tokens(0, 2), tokens(3000, 1), tokens(6000, 2)
+    pubs["a"].publish([stored([1, 2], history)])  # before the bridge: reaches it through replay
+    unknown_before = REGISTRY.get_sample_value("kvgate_bridge_unknown_topic_messages_total") or 0.0
+    for n in ids.values():  # the static fleet's health checks register them (the keeper's job)
+        await directory.register_node(NodeInfo(n, a_addr if n.endswith("-a") else b_addr, model=MODEL))
+    bridge = KVEventBridge(directory, specs, model=MODEL, block_size=BS, heartbeat_interval_s=0.2, collector=collector)
+    await bridge.start()
+    try:
+        while bridge.stats(ids["a"]).next_seq is None or bridge.stats(ids["b"]).next_seq is None:
+            for p in pubs.values():  # until each connection has joined
+                p.publish([])
+            await asyncio.sleep(0.05)
+        pubs["a"].publish([stored([3], a)])
+        pubs["b"].publish([stored([4, 5], b)])
+        await eventually(lambda: _eq(held(directory, ids["a"], keys_of(history)), 2), what="a's history")
+        await eventually(lambda: _eq(held(directory, ids["a"], keys_of(a)), 1), what="a's live block")
+        await eventually(lambda: _eq(held(directory, ids["b"], keys_of(b)), 2), what="b's blocks")
+        assert await held(directory, ids["b"], keys_of(a)) == 0
+
+        async def unknown_counted() -> bool:
+            pubs["x"].publish([stored([9], tokens(9000, 1))])
+            return REGISTRY.get_sample_value("kvgate_bridge_unknown_topic_messages_total") > unknown_before
+
+        await eventually(unknown_counted, what="unknown topic counted")
+        assert {n.node_id for n in await directory.live_nodes()} == set(ids.values())
+    finally:
+        await bridge.aclose(deregister=False)
+        for p in pubs.values():
+            p.close()
+
+
+async def readyz(directory: Directory, bridge: KVEventBridge) -> dict:
+    """The admin app's ``/readyz`` over real HTTP, with this bridge in its fleet monitor."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from gateway.admin import build_admin_app
+    from gateway.fleet_status import FleetMonitor
+
+    app = build_admin_app(directory, monitor=FleetMonitor(directory, bridges=lambda: [bridge]))
+    async with TestClient(TestServer(app)) as client:
+        r = await client.get("/readyz")
+        return await r.json()
 
 
 async def test_dead_engine_stops_being_returned_within_the_ttl(directory: Directory, node_id: str) -> None:

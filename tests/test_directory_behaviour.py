@@ -471,3 +471,36 @@ async def test_factory_picks_backend_from_url_and_rejects_unknown() -> None:
         open_directory("memory://", index_stride=0)
     with pytest.raises(ValueError):
         open_directory("redis://127.0.0.1:1/0", key_prefix="a{b}")
+
+
+async def test_one_writer_per_node_through_a_lease(backend: Backend) -> None:
+    """Several gateway replicas follow one engine; only the lease holder writes its entries."""
+    a, b = backend.make(), backend.make()
+    assert await a.claim_writer("n1", "replica-a", 0.6)
+    assert await a.claim_writer("n1", "replica-a", 0.6)  # renewing
+    assert not await b.claim_writer("n1", "replica-b", 0.6)
+    assert await b.claim_writer("n2", "replica-b", 0.6)  # leases are per node
+    await backend.sleep(1.0)  # the holder stopped renewing: the lease lapses, another takes it
+    assert await b.claim_writer("n1", "replica-b", 0.6)
+    assert not await a.claim_writer("n1", "replica-a", 0.6)
+    await a.release_writer("n1", "replica-a")  # not the holder: nothing happens
+    assert not await a.claim_writer("n1", "replica-a", 0.6)
+    await b.release_writer("n1", "replica-b")
+    assert await a.claim_writer("n1", "replica-a", 0.6)
+
+
+async def test_replace_node_swaps_its_entries_and_retire_keeps_them(backend: Backend) -> None:
+    d = backend.make()
+    keys = chain(8)
+    await d.register_node(node("a"))
+    await d.record_stored("a", keys[:6], Tier.GPU)
+    await d.replace_node("a", {Tier.GPU: keys[:3], Tier.CPU: keys[2:5]})
+    view = await d.lookup(keys)
+    assert cached(view) == {"a": 5} and view.nodes[0].tier is Tier.CPU  # blocks 3..5 on CPU only
+    await d.replace_node("a", {})
+    assert cached(await d.lookup(keys)) == {"a": 0}
+    await d.record_stored("a", keys[:4])
+    await d.retire_node("a")  # dead at once ...
+    assert await d.live_nodes() == [] and (await d.lookup(keys)).nodes == ()
+    await d.register_node(node("a"))  # ... and back whole
+    assert cached(await d.lookup(keys)) == {"a": 4}

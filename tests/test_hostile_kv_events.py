@@ -8,6 +8,7 @@ around them are applied, and after a flood the directory matches the engine.
 
 from __future__ import annotations
 
+import asyncio
 import resource
 from collections import Counter
 
@@ -16,10 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import threading
+
+import zmq
+from prometheus_client import REGISTRY
+
 from directory_client import open_directory
 from directory_client.types import Directory
-from tests.test_bridge import Engine, connected, eventually, held, keys_of, make_bridge, stored, tokens
-from workers.kv_events import BlockRemoved, KVEventDecodeError, decode_batch, encode_batch
+from tests.conftest import free_port
+from tests.test_bridge import MODEL, Engine, connected, eventually, held, keys_of, live, make_bridge, stored, tokens
+from workers.bridge import EngineSpec, KVEventBridge
+from workers.kv_events import BlockRemoved, KVEventDecodeError, KVEventPublisher, decode_batch, encode_batch, encode_seq
 
 CASES: Counter[str] = Counter()
 
@@ -88,10 +96,15 @@ async def test_bad_batches_are_dropped_and_counted_good_ones_applied(node_id: st
             eng.pub.publish([stored([21, 22], second)])
             await eventually(lambda: _eq(held(directory, node_id, keys_of(second)), 2), what="batch after the junk applied")
             stats = bridge.stats(node_id)
-            assert await held(directory, node_id, keys_of(first)) == 2
+            # a batch we cannot read may have removed blocks: what was known before it is dropped
+            # (the node is routed by load for it) rather than claimed without proof
+            assert await held(directory, node_id, keys_of(first)) == 0
             assert stats.malformed_batches == 3  # not msgpack, not a batch, over the size cap
+            assert stats.resets >= 3 and REGISTRY.get_sample_value(
+                "kvgate_bridge_node_resets_total", {"node": node_id, "reason": "malformed"}
+            ) == 3
             assert stats.rejected_events == 3  # negative token IDs, unknown type, not an event
-            assert stats.tracked_blocks == 4  # nothing of the junk was recorded
+            assert stats.tracked_blocks == 2  # nothing of the junk was recorded
             assert await held(directory, node_id, keys_of(tokens(100, 2))) == 0
     finally:
         eng.pub.close()
@@ -144,6 +157,84 @@ async def test_a_flood_of_events_is_absorbed_in_bounded_memory(redis_url: str, k
         await directory.aclose()
     grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before) / 1024
     assert grew_mib < 200, grew_mib
+
+
+class HostileReplay:
+    """A replay ROUTER that answers garbage, or nothing at all, until told to behave (then it
+    answers an empty history, in current vLLM's form)."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self.requests = 0
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop:
+            if not self._sock.poll(50):
+                continue
+            ident, *_ = self._sock.recv_multipart()
+            self.requests += 1
+            if self.mode == "garbage":
+                self._sock.send_multipart([ident, b"", b"\x00" * 3, b"junk", b"more", b"frames"])
+                self._sock.send_multipart([ident, b"", b"bad-seq", b"payload"])
+            elif self.mode == "good":
+                self._sock.send_multipart([ident, b"", b"", encode_seq(-1), b""])
+            # "silent": never answers
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["garbage", "silent"])
+async def test_a_replay_socket_that_answers_garbage_or_never_degrades_the_node(node_id: str, mode: str) -> None:
+    """What an operator sees: the node stays live and is routed by load only (its entries
+    withheld), ``kvgate_bridge_replay_failures_total`` and ``kvgate_bridge_node_degraded`` say
+    why, the bridge keeps consuming events, and once the replay socket answers again the node's
+    entries come back. Never a crash, never a stall."""
+    directory = open_directory("memory://", heartbeat_ttl_s=5.0, index_stride=1)
+    replay = HostileReplay(mode)
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    pub.publish([stored([1], tokens(0, 1))])  # history the bridge will try to replay
+    spec = EngineSpec(node_id=node_id, address="127.0.0.1:9", events=pub.endpoint, replay=replay.endpoint)
+    bridge = KVEventBridge(
+        directory, [spec], model=MODEL, block_size=16, heartbeat_interval_s=0.2, replay_timeout_s=0.3,
+        replay_retry_s=0.5,
+    )  # fmt: skip
+    a = tokens(1000, 2)
+    try:
+        await bridge.start()
+        await eventually(lambda: _true(bridge.stats(node_id).degraded.startswith("replay")), what="degraded")
+        assert await live(directory, node_id)
+        pub.publish([stored([2, 3], a)])
+        await eventually(lambda: _true(bridge.stats(node_id).tracked_blocks == 2), what="events still consumed")
+        await asyncio.sleep(0.3)
+        assert await held(directory, node_id, keys_of(a)) == 0  # withheld: routed by load
+        reason = "garbage" if mode == "garbage" else "timeout"
+        assert REGISTRY.get_sample_value("kvgate_bridge_replay_failures_total", {"node": node_id, "reason": reason}) >= 1
+        assert REGISTRY.get_sample_value("kvgate_bridge_node_degraded", {"node": node_id, "reason": "replay"}) == 1
+        replay.mode = "good"
+        b = tokens(5000, 2)
+        while bridge.stats(node_id).degraded:  # live events make the bridge try again
+            pub.publish([stored([4, 5], b)])
+            await asyncio.sleep(0.2)
+        pub.publish([stored([6, 7], b)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(b)), 2), what="entries back")
+        assert REGISTRY.get_sample_value("kvgate_bridge_node_degraded", {"node": node_id, "reason": "replay"}) == 0
+    finally:
+        await bridge.aclose()
+        pub.close()
+        replay.close()
+        await directory.aclose()
 
 
 async def _true(value: bool) -> bool:

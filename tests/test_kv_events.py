@@ -378,7 +378,9 @@ def _joined(pub: KVEventPublisher, sub: zmq.Socket) -> None:
     raise AssertionError("subscriber never joined")
 
 
-def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, bytes]]:
+def _replay(ctx: zmq.Context, endpoint: str, start: int, *, topic: bytes | None = b"") -> list[tuple[int, bytes]]:
+    """Ask for a replay; ``topic``: what each answer's topic frame must hold (None: the old
+    form, which has none)."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.RCVTIMEO, 3000)
     dealer.setsockopt(zmq.LINGER, 0)
@@ -387,12 +389,18 @@ def _replay(ctx: zmq.Context, endpoint: str, start: int) -> list[tuple[int, byte
         dealer.send_multipart([b"", encode_seq(start)])
         out = []
         while True:
-            empty, seq_frame, payload = dealer.recv_multipart()
+            frames = dealer.recv_multipart()
+            if topic is None:
+                empty, seq_frame, payload = frames
+            else:
+                empty, topic_frame, seq_frame, payload = frames
             assert empty == b""
             seq = decode_seq(seq_frame)
             if seq == -1:
                 assert payload == b""
+                assert topic is None or topic_frame == b""  # current vLLM's end marker: empty topic
                 return out
+            assert topic is None or topic_frame == topic
             out.append((seq, payload))
     finally:
         dealer.close()
@@ -420,11 +428,25 @@ def test_publisher_frames_sequence_and_replay(ctx: zmq.Context) -> None:
         assert decode_batch(payload).events == [ev]
         assert decode_seq(sub.recv_multipart()[1]) == first + 1
 
-        replayed = _replay(ctx, pub.replay_endpoint, first)
+        # current vLLM's replay form: [b"", topic, seq, payload], end marker [b"", b"", -1, b""]
+        replayed = _replay(ctx, pub.replay_endpoint, first, topic=b"kv@n1@m")
         assert [s for s, _ in replayed] == [first, first + 1]
         assert decode_batch(replayed[0][1]).events == [ev]
-        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, 0)] == list(range(first + 2))
-        assert _replay(ctx, pub.replay_endpoint, first + 10) == []
+        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, 0, topic=b"kv@n1@m")] == list(range(first + 2))
+        assert _replay(ctx, pub.replay_endpoint, first + 10, topic=b"kv@n1@m") == []
+        sub.close()
+
+
+def test_publisher_answers_replay_in_the_older_form_on_request(ctx: zmq.Context) -> None:
+    """Older vLLM and SGLang answered [b"", seq, payload] and [b"", -1, b""]: kept for tests."""
+    with KVEventPublisher(
+        f"tcp://127.0.0.1:{free_port()}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}", topic="kv@n1@m",
+        replay_form="plain",
+    ) as pub:  # fmt: skip
+        sub = _sub(ctx, pub.endpoint, b"kv@n1")
+        _joined(pub, sub)
+        first = pub.publish([AllBlocksCleared()])
+        assert [s for s, _ in _replay(ctx, pub.replay_endpoint, first, topic=None)] == [first]
         sub.close()
 
 
@@ -459,7 +481,7 @@ def test_publisher_answers_malformed_replay_requests_with_the_end_marker(ctx: zm
         dealer.setsockopt(zmq.RCVTIMEO, 3000)
         dealer.connect(pub.replay_endpoint)
         dealer.send_multipart([b"", b"short"])
-        assert dealer.recv_multipart() == [b"", encode_seq(-1), b""]
+        assert dealer.recv_multipart() == [b"", b"", encode_seq(-1), b""]
         dealer.close(linger=0)
         assert [s for s, _ in _replay(ctx, pub.replay_endpoint, 0)] == [0]  # still serving
 
@@ -484,3 +506,26 @@ def test_publisher_refuses_a_taken_port() -> None:
     with KVEventPublisher(endpoint):
         with pytest.raises(zmq.ZMQError):
             KVEventPublisher(endpoint)
+
+
+def test_vllm_032_fields_and_offload_placeholders_decode() -> None:
+    """vLLM 0.32's BlockStored carries fields we do not use (kv_cache_spec_kind, locality,
+    ownership, session_id): ignored. Its CPU-offload connector announces blocks it has no metadata
+    for as placeholders: no token IDs and block_size 0 (before: rejected as malformed)."""
+    stored = {
+        "type": "BlockStored", "block_hashes": [5], "parent_block_hash": None, "token_ids": TOKENS[:16],
+        "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None, "extra_keys": [["salt"]],
+        "group_idx": 0, "kv_cache_spec_kind": "full_attention", "kv_cache_spec_sliding_window": None,
+        "locality": "LOCAL", "ownership": None, "session_id": "s-1",
+    }  # fmt: skip
+    placeholder = {
+        "type": "BlockStored", "block_hashes": [9], "parent_block_hash": None, "token_ids": [], "block_size": 0,
+        "lora_id": None, "medium": "CPU", "lora_name": None, "group_idx": 0, "locality": None, "ownership": None,
+    }  # fmt: skip
+    batch = decode_batch(pack([1.0, [stored, placeholder], 0]))
+    assert batch.rejected == ()
+    assert batch.events[0].extra_keys == [["salt"]] and batch.events[0].group_idx == 0
+    assert batch.events[1] == BlockStored(block_hashes=[9], parent_block_hash=None, token_ids=[], block_size=0, medium="CPU", group_idx=0)
+    # a block size of 0 with token IDs is still nonsense
+    bad = dict(placeholder, token_ids=TOKENS[:16])
+    assert len(decode_batch(pack([1.0, [bad]])).rejected) == 1

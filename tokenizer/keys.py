@@ -6,6 +6,14 @@ Block *i*'s key is ``xxh3_64(seed=key(i-1), data=block_i as little-endian uint32
 is seeded with the namespace seed (model, LoRA adapter, cache salt). Because each key depends on
 every token before it, equal keys mean equal prefixes, and a lookup can stop at the first miss.
 
+The namespace rule, the same on both sides: ``model`` is the *base* model the engine serves,
+``lora`` the adapter's served name (vLLM's ``lora_name``; None for the base model), ``cache_salt``
+the request's salt (vLLM's ``cache_salt``; None or empty = unsalted). The gateway sees only the
+body's ``model`` and ``cache_salt`` and maps an adapter's name to its base with ``request_seed``;
+the bridge sees the base model (its configuration), ``lora_name`` and the salt in block 0's
+``extra_keys`` and calls ``namespace_seed`` directly. Salted and unsalted twins, and two salts,
+never share a key, so a prompt can only ever hit blocks stored under its own salt.
+
 We key blocks from token IDs instead of reproducing the engine's own hash (vLLM hashes with
 pickled sha256 and a per-process seed, SGLang differently): the engine's KV events carry the
 token IDs, so both sides can compute the same key without knowing the engine's algorithm.
@@ -15,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NewType
 
 import numpy as np
@@ -31,6 +39,16 @@ def namespace_seed(model: str, *, lora: str | None = None, cache_salt: str | Non
     """Seed of block 0: prefixes of different models, adapters or salts never share keys."""
     parts = [_SEED_SALT, model.encode(), (lora or "").encode(), (cache_salt or "").encode()]
     return xxhash.xxh3_64_intdigest(b"\x00".join(parts))
+
+
+def request_seed(model: str, *, cache_salt: str | None = None, adapters: Mapping[str, str] | None = None) -> int:
+    """Seed of block 0 for a request whose body names ``model``: when ``model`` is a LoRA adapter
+    (a key of ``adapters``, adapter name → base model) the namespace is (base, adapter, salt),
+    exactly as the bridge keys that adapter's blocks from the engine's ``lora_name``."""
+    base = adapters.get(model) if adapters else None
+    if base is None:
+        return namespace_seed(model, cache_salt=cache_salt)
+    return namespace_seed(base, lora=model, cache_salt=cache_salt)
 
 
 def block_keys(

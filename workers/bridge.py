@@ -14,41 +14,73 @@ What it guarantees (and what it does not):
   a missing one only costs a cache hit. Its descendants are dropped the same way.
 * **Idempotent, coalesced writes.** Changes are folded per key (last state wins) and written every
   ``flush_interval_s`` or ``flush_max_keys`` changes, whichever comes first.
+* **One writer per node.** Several gateway replicas (each with its embedded bridge) may follow
+  one engine. Only the holder of the node's writer lease (``Directory.claim_writer``, a Redis key
+  with a TTL of two heartbeat intervals, renewed every interval) registers, heartbeats and writes
+  the node; the others apply the same events to their own maps without writing, and the first to
+  find the lease lapsed (its holder died or left) takes the node over by rewriting it from its map.
+  A starting replica therefore never touches what another writes.
 * **Gaps are repaired.** Sequence numbers must grow by one. A jump asks the engine's replay socket
   for everything from the first missing batch. If the replay cannot cover the gap (no replay
   socket, timeout, or the engine's buffer moved past it) what happened in it is unknowable, so the
   node is **cleared and rebuilt** from whatever the buffer still holds (blocks chained to older,
   unseen parents are dropped as above): the directory then under-reports the node until the
   engine stores those blocks again, and never over-reports it.
-* **Restarts clear the node.** ``AllBlocksCleared``, a sequence number that goes backwards, or a
-  new TCP connection to the engine's PUB socket (the engine died, restarted or the link broke:
-  events may have been lost unannounced) clear the node, then the bridge replays from seq 0 to
-  rebuild it.
+* **Catching up never clears what is still true.** On every new connection to the engine's PUB
+  socket (a bridge starting, the engine restarted, the link broke) the bridge rebuilds its map from
+  the engine's replay buffer, then rewrites the node: if the buffer reaches back to seq 0 the map
+  is the engine's whole life and *replaces* the node's entries in one step (``replace_node``:
+  lookups never see it half written; an engine restart's stale entries go); if it does not (a
+  long-running engine; vLLM keeps 10,000 batches) what the map lacks cannot be proven gone, so
+  the map is *added* to the entries already there (kept until the engine evicts what we can key,
+  clears its cache, or restarts). ``AllBlocksCleared`` and a sequence number that goes backwards
+  on one connection (the engine restarted) do clear the node.
 * **Liveness follows the engine.** The node is registered and heartbeated only while the bridge
   holds a live ZMQ connection to its publisher: one whose ZMTP handshake completed and whose ZMTP
   heartbeats are answered within ``engine_timeout_s``. When the connection drops (a ZMQ socket
   monitor sees it at once on ``kill -9``; a paused or hung engine stops answering heartbeats) the
-  node is **deregistered at once**, so the gateway stops choosing it in milliseconds rather than
-  after the heartbeat TTL; its entries would be cleared on reconnect anyway. If the directory is
-  down at that moment, the TTL retires the node.
+  node is **retired at once** (``retire_node``: not returned by lookups, entries kept), so the
+  gateway stops choosing it in milliseconds rather than after the heartbeat TTL, and a socket that
+  comes back brings the entries back with it. If the directory is down at that moment, the TTL
+  retires the node.
 * **A directory outage never stops the bridge.** Events keep being applied to the in-memory map;
   after any ``DirectoryUnavailable`` the next successful flush re-registers the node and rewrites
-  its entries from the map (clear, then store all), so nothing is lost but freshness during the
-  outage.
+  its entries from the map (replaced or added to, as above), so nothing is lost but freshness
+  during the outage.
 * **Bounded memory.** The map holds one entry per block the engine currently caches (every store
   is matched by a removal), so it is bounded by the engine's capacity; ``max_blocks_per_node``
   (default 8× the declared capacity, or 4M) guards against an engine that never sends removals:
   past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
 * **Untrusted input.** A batch that does not decode, or is larger than ``max_batch_bytes``
   (default 16 MiB; vLLM's per-step batches are kilobytes), is logged, counted
-  (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed.
-  Bad events inside a good batch are dropped one by one (``kvgate_bridge_rejected_events_total``).
+  (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed
+  and, since it may have removed blocks, the node is cleared like after an unrepairable gap (routed
+  by load until the engine stores blocks again). Bad events inside a good batch are dropped one by
+  one (``kvgate_bridge_rejected_events_total``); fields of newer engines are ignored.
+* **Degraded nodes are routed by load, and say so.** The bridge learns the engine's block size
+  from its GPU ``BlockStored`` events; one that differs from the configured ``block_size`` (vLLM
+  forces 64 or more for MLA and hybrid models) cannot be keyed at all, so the node is marked
+  degraded: a log line names the node and both sizes, ``kvgate_bridge_engine_block_size`` and
+  ``kvgate_bridge_node_degraded{reason}`` show it, ``/readyz`` lists it under ``degraded_nodes``,
+  and its entries are withheld (it stays live, chosen by load alone) until a new connection. A
+  replay socket that answers garbage or never answers a catch-up degrades the node the same way
+  (``kvgate_bridge_replay_failures_total``) until a retry, made on live events every
+  ``replay_retry_s``, succeeds.
+* **Offloaded copies.** A ``BlockStored`` without token IDs (vLLM's CPU-offload connector when it
+  lacks a block's metadata; ``block_size`` 0) adds its tier to blocks whose engine hash we keyed
+  when they were stored on the GPU; the others cannot be keyed and are dropped and counted
+  (``reason="no_tokens"``). Offloaded blocks with a block size other than the configured one
+  (offload chunks spanning several GPU blocks) are dropped as ``reason="block_size"`` without
+  degrading the node.
 * **Backpressure.** A flood cannot queue without bound: ZMQ holds at most ``RCVHWM`` batches for
   us and drops the rest at the publisher, which the bridge sees as a sequence gap and repairs by
   replay; pending directory writes are folded per key, so they are bounded by the blocks held.
 
-Not handled: ``cache_salt`` (vLLM carries it inside ``extra_keys``; salted blocks are keyed as
-unsalted), the deprecated ``lora_id`` (only ``lora_name`` changes the key seed).
+* **Salt and LoRA key like the gateway's.** ``lora_name`` and the ``cache_salt`` vLLM puts in
+  block 0's ``extra_keys`` seed the chain (``tokenizer.keys``: one rule on both sides), so a
+  tenant's salted blocks are found only by prompts with the same salt. Blocks whose content is
+  not their token IDs (multimodal, prompt embeddings) or whose adapter has no name (deprecated
+  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``).
 """
 
 from __future__ import annotations
@@ -56,6 +88,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,7 +127,7 @@ REJECTED_EVENTS = Counter(
 )
 DROPPED_BLOCKS = Counter(
     "kvgate_bridge_dropped_blocks_total",
-    "stored blocks not recorded (reason: unknown_parent, block_size, token_count)",
+    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, no_tokens)",
     ["node", "reason"],
 )
 GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
@@ -105,6 +140,23 @@ EVENT_LAG = Histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 TRACKED_BLOCKS = Gauge("kvgate_bridge_tracked_blocks", "engine blocks the bridge maps to keys", ["node"])
+ENGINE_BLOCK_SIZE = Gauge(
+    "kvgate_bridge_engine_block_size", "block size the engine's own KV events use (learned from them)", ["node"]
+)
+DEGRADED = Gauge(
+    "kvgate_bridge_node_degraded",
+    "1 while the node's entries are withheld and it is routed by load only (reason: block_size, replay)",
+    ["node", "reason"],
+)
+REPLAY_FAILURES = Counter(
+    "kvgate_bridge_replay_failures_total", "replay requests that failed (reason: timeout, garbage)", ["node", "reason"]
+)
+UNKNOWN_TOPICS = Counter(
+    "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
+)
+WRITER = Gauge(
+    "kvgate_bridge_writer", "1 while this bridge holds the node's writer lease (0: another replica writes it)", ["node"]
+)
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
 
@@ -113,17 +165,33 @@ _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
 # configuration
 
 
+COLLECTOR = "collector"
+"""``EngineSpec.events`` of an engine whose PUB socket connects to the bridge's collector."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """One engine the bridge follows, and how the node is announced in the directory."""
+    """One engine the bridge follows, and how the node is announced in the directory.
+
+    ``events`` is the engine's PUB endpoint, which the bridge connects to (vLLM binds
+    ``tcp://*:P``), or ``COLLECTOR``: the engine's PUB connects to the endpoint the bridge binds
+    (vLLM given ``tcp://kvgate:P``), its messages told apart by ``topic`` (default
+    ``kv@<address>@<model>``, also matched as ``kv@<host>@<model>``). A collector-fed node cannot
+    be followed per connection, so its liveness is left to the static fleet's health checks.
+    """
 
     node_id: str
     address: str  # "ip:port" of its OpenAI-compatible server (what Envoy routes to)
-    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557"
+    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557", or COLLECTOR
     replay: str | None = None  # ZMQ ROUTER replay endpoint; None = gaps cannot be repaired
     transfer: str = ""  # "ip:port" of its KV transfer agent
     capacity: int = 0  # KV cache size in blocks (0 = unknown)
-    topic: str = ""  # ZMQ topic prefix to subscribe to ("" = all)
+    topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
+    model: str = ""  # the base model it serves ("" = the bridge's)
+
+    @property
+    def collected(self) -> bool:
+        return self.events == COLLECTOR
 
     def node_info(self, model: str) -> NodeInfo:
         return NodeInfo(
@@ -131,15 +199,22 @@ class EngineSpec:
             address=self.address,
             transfer_endpoint=self.transfer,
             capacity_blocks=self.capacity,
-            model=model,
+            model=self.model or model,
         )
 
+    def collector_topics(self, model: str) -> list[str]:
+        if self.topic:
+            return [self.topic]
+        model = self.model or model
+        host = self.address.rsplit(":", 1)[0]
+        return [f"kv@{self.address}@{model}", f"kv@{host}@{model}"]
 
-_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic"}
+
+_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic", "model"}
 
 
 def parse_engine_spec(text: str) -> EngineSpec:
-    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557[,replay=…][,transfer=…][,capacity=N][,topic=…]``."""
+    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557|collector[,replay=…][,transfer=…][,capacity=N][,topic=…][,model=…]``."""
     values: dict[str, str] = {}
     for part in text.split(","):
         part = part.strip()
@@ -174,6 +249,7 @@ def parse_engine_spec(text: str) -> EngineSpec:
         transfer=values.get("transfer", ""),
         capacity=capacity,
         topic=values.get("topic", ""),
+        model=values.get("model", ""),
     )
 
 
@@ -242,7 +318,7 @@ class NodeBlockMap:
         self._max_blocks = max_blocks
         self._by_hash: dict[int, _Held] = {}
         self._holders: dict[BlockKey, list[int]] = {}  # key -> holder count per tier
-        self._seeds: dict[str | None, int] = {}
+        self._seeds: dict[str | None, int] = {}  # unsalted seed per LoRA name
         self._touched: dict[BlockKey, int] = {}  # key -> its tier mask at the last take_changes
         self.cleared = False  # the directory must clear the node before the next changes
 
@@ -260,10 +336,15 @@ class NodeBlockMap:
 
     def reset(self) -> None:
         """Forget everything; the directory must clear the node before later changes."""
+        self.forget()
+        self.cleared = True
+
+    def forget(self) -> None:
+        """Forget everything, leaving the directory alone (it is rewritten from a fresh history)."""
         self._by_hash.clear()
         self._holders.clear()
         self._touched.clear()
-        self.cleared = True
+        self.cleared = False
 
     def take_changes(self) -> tuple[bool, list[TierChange]]:
         """``(clear the node first?, per-key tier changes)`` since the previous call."""
@@ -322,25 +403,37 @@ class NodeBlockMap:
         self.reset()
         return None
 
-    def _seed(self, lora_name: str | None) -> int:
+    def _seed(self, lora_name: str | None, cache_salt: str | None) -> int:
+        if cache_salt:  # per tenant, chosen by clients: not worth caching (and not bounded)
+            return namespace_seed(self._model, lora=lora_name, cache_salt=cache_salt)
         seed = self._seeds.get(lora_name)
         if seed is None:
+            if len(self._seeds) >= 1024:
+                self._seeds.clear()
             seed = self._seeds[lora_name] = namespace_seed(self._model, lora=lora_name)
         return seed
 
     def _stored(self, ev: BlockStored) -> tuple[str, int] | None:
         n = len(ev.block_hashes)
+        if not ev.token_ids and n:
+            return self._stored_without_tokens(ev)
         if ev.block_size != self._block_size:
             return ("block_size", n)
         if len(ev.token_ids) != n * self._block_size:
             return ("token_count", n)
+        if ev.lora_id is not None and not ev.lora_name:
+            return ("lora_unnamed", n)  # an adapter we cannot name: keying it as the base would lie
+        salt, keyable = read_extra_keys(ev.extra_keys, n, root=ev.parent_block_hash is None, lora_name=ev.lora_name)
+        if keyable == 0:
+            return ("extra_keys", n)
         parent_key: int | None = None
         if ev.parent_block_hash is not None:
             parent = self._by_hash.get(_slot(ev.parent_block_hash, ev.group_idx))
             if parent is None:
                 return ("unknown_parent", n)
             parent_key = parent.key
-        keys = block_keys(ev.token_ids, block_size=self._block_size, seed=self._seed(ev.lora_name), parent=parent_key)
+        tokens = ev.token_ids if keyable == n else ev.token_ids[: keyable * self._block_size]
+        keys = block_keys(tokens, block_size=self._block_size, seed=self._seed(ev.lora_name, salt), parent=parent_key)
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
         for engine_hash, key in zip(ev.block_hashes, keys):
@@ -356,7 +449,22 @@ class NodeBlockMap:
             if not held.tiers & bit:
                 held.tiers |= bit
                 self._count(key, tier, +1)
-        return None
+        return None if keyable == n else ("extra_keys", n - keyable)
+
+    def _stored_without_tokens(self, ev: BlockStored) -> tuple[str, int] | None:
+        """A copy (CPU offload) announced by engine hash alone: the blocks we keyed when they were
+        stored elsewhere gain the tier; the others cannot be keyed and are dropped."""
+        tier = Tier.from_medium(ev.medium)
+        bit = 1 << tier
+        unknown = 0
+        for engine_hash in ev.block_hashes:
+            held = self._by_hash.get(_slot(engine_hash, ev.group_idx))
+            if held is None:
+                unknown += 1
+            elif not held.tiers & bit:
+                held.tiers |= bit
+                self._count(held.key, tier, +1)
+        return ("no_tokens", unknown) if unknown else None
 
     def _removed(self, ev: BlockRemoved) -> None:
         tier = Tier.from_medium(ev.medium)
@@ -388,6 +496,41 @@ class NodeBlockMap:
             del self._holders[key]
 
 
+def read_extra_keys(extra: list | None, n: int, *, root: bool, lora_name: str | None) -> tuple[str | None, int]:
+    """``(cache salt, how many leading blocks token IDs alone can key)`` from ``extra_keys``.
+
+    vLLM 0.32 publishes one entry per block (None when empty), each holding in order: the LoRA
+    name (every block of a LoRA request), ``(mm_identifier, offset)`` pairs, the cache salt (block
+    0 of a sequence only) and prompt-embedding digests (bytes); newer engines may tag them
+    (``("cache_salt", salt)``, ``("lora", name, path)``). The salt becomes part of the key seed.
+    Multimodal and embedding entries mean the block's content is not its token IDs: that block
+    and every later one (they chain on it) cannot be keyed, nor can anything we do not understand
+    (a salt past block 0, an unknown type, a list of the wrong length).
+    """
+    if extra is None:
+        return None, n
+    if len(extra) != n:
+        return None, 0
+    salt: str | None = None
+    for i, entry in enumerate(extra):
+        if entry is None:
+            continue
+        if not isinstance(entry, list):
+            return salt, i
+        for j, item in enumerate(entry):
+            if isinstance(item, list) and len(item) >= 2 and item[0] == "lora":
+                continue  # tagged adapter: lora_name already names it
+            if isinstance(item, list) and len(item) == 2 and item[0] == "cache_salt":
+                item = item[1]
+            elif j == 0 and lora_name and item == lora_name:
+                continue  # the untagged adapter name leads every entry of a LoRA request
+            if isinstance(item, str) and root and i == 0 and salt is None:
+                salt = item
+                continue
+            return salt, i  # multimodal pair, embedding digest, a misplaced salt, or unknown
+    return salt, n
+
+
 def _slot(engine_hash: int, group_idx: int | None) -> int:
     return engine_hash | ((group_idx or 0) << 64)
 
@@ -409,6 +552,10 @@ class NodeStats:
     node_id: str
     connected: bool
     registered: bool
+    writer: bool  # this bridge holds the node's writer lease (others follow without writing)
+    authoritative: bool  # its map accounts for all the node's entries (rewrites replace, not merge)
+    degraded: str  # "" or why the node's entries are withheld (it is routed by load only)
+    engine_block_size: int | None  # as the engine's events say (None: no GPU block seen yet)
     next_seq: int | None  # sequence number expected next (None: not in step yet)
     tracked_blocks: int
     tracked_keys: int
@@ -420,6 +567,7 @@ class NodeStats:
     gaps_unrecoverable: int
     resets: int
     directory_errors: int
+    replay_failures: int
 
 
 @dataclass(eq=False)
@@ -433,8 +581,13 @@ class _Stream:
     last_live: int | None = None  # last live seq on the current connection
     connected: bool = False
     registered: bool = False
-    withdraw: bool = False  # the engine went away while registered: deregister it
-    rewrite_all: bool = False  # the directory may have lost our writes: rewrite from `blocks`
+    writer: bool = False  # holds the node's writer lease: the only bridge writing its entries
+    authoritative: bool = False  # `blocks` accounts for every entry the node may rightly have
+    degraded: dict[str, str] = field(default_factory=dict)  # reason -> detail; entries withheld
+    engine_block_size: int | None = None
+    replay_retry_at: float = 0.0  # monotonic time of the next catch-up try while replay fails
+    withdraw: bool = False  # the engine went away while we wrote it: retire the node
+    rewrite_all: bool = False  # the directory may lack our writes: rewrite the node from `blocks`
     directory_down: bool = False  # for logging the outage once, not per failed call
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
     liveness_changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -449,6 +602,7 @@ class _Stream:
     gaps_unrecoverable: int = 0
     resets: int = 0
     directory_errors: int = 0
+    replay_failures: int = 0
 
 
 class KVEventBridge:
@@ -470,6 +624,8 @@ class KVEventBridge:
         max_blocks_per_node: int | None = None,
         engine_timeout_s: float = 3.0,
         max_batch_bytes: int = 16 << 20,
+        replay_retry_s: float = 30.0,
+        collector: str | None = None,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -481,9 +637,14 @@ class KVEventBridge:
         self._directory = directory
         self._model = model
         self._heartbeat_interval_s = heartbeat_interval_s
+        # the writer renews every interval; a lapsed lease is taken within one more
+        self._lease_ttl_s = 2 * heartbeat_interval_s
+        self._owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         self._flush_interval_s = flush_interval_s
         self._flush_max_keys = flush_max_keys
         self._replay_timeout_s = replay_timeout_s
+        self._replay_retry_s = replay_retry_s
+        self._block_size = block_size
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be positive")
         self._engine_timeout_ms = max(int(engine_timeout_s * 1000), 10)
@@ -491,8 +652,24 @@ class KVEventBridge:
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
             cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
-            blocks = NodeBlockMap(model=model, block_size=block_size, max_blocks=cap)
+            blocks = NodeBlockMap(model=spec.model or model, block_size=block_size, max_blocks=cap)
             self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
+        self._collector = collector
+        self._routes: dict[bytes, _Stream] = {}  # collector topic -> stream
+        ambiguous: set[bytes] = set()
+        for st in self._streams.values():
+            if not st.spec.collected:
+                continue
+            if collector is None:
+                raise ValueError(f"engine {st.spec.node_id} sends its events to a collector, but none is configured")
+            for topic in (t.encode() for t in st.spec.collector_topics(model)):
+                if topic in self._routes and self._routes[topic] is not st:
+                    ambiguous.add(topic)  # e.g. two engines on one host, both topics host-only
+                self._routes[topic] = st
+        for topic in ambiguous:
+            del self._routes[topic]
+        self._unknown_topics: set[bytes] = set()
+        self._collector_task: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._closed = False
 
@@ -503,16 +680,28 @@ class KVEventBridge:
         if self._ctx is not None:
             raise RuntimeError("bridge already started")
         self._ctx = zmq.asyncio.Context()
+        if self._routes:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.bind(self._collector)  # a taken port fails the start, loudly
+            self._collector_task = asyncio.create_task(self._collect(sock), name="kv-bridge-collector")
         for st in self._streams.values():
             node = st.spec.node_id
-            st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
+            if not st.spec.collected:
+                st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
             st.flusher = asyncio.create_task(self._flush_loop(st), name=f"kv-bridge-flush-{node}")
             st.heartbeat = asyncio.create_task(self._heartbeat_loop(st), name=f"kv-bridge-heartbeat-{node}")
 
     async def aclose(self, *, deregister: bool = True, timeout_s: float = 2.0) -> None:
         """Stop consuming, write what is pending, deregister the nodes (if asked), close sockets.
 
-        The directory is not closed: whoever opened it closes it.
+        Only for nodes this bridge writes (holds the lease of); the lease is given back, so another
+        replica's bridge takes the node over within one heartbeat interval. ``deregister=False``
+        leaves the entries and registration as they are (the engine is still serving; the TTL
+        retires the node if nobody takes over). The directory is not closed: whoever opened it
+        closes it.
         """
         if self._closed:
             return
@@ -521,6 +710,8 @@ class KVEventBridge:
             return  # never started: nothing was registered or written
         # stop taking events and heartbeating first, then write what is left, then leave
         first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat) if t is not None]
+        if self._collector_task is not None:
+            first.append(self._collector_task)
         for task in first:
             task.cancel()
         await _settle(first)
@@ -530,13 +721,18 @@ class KVEventBridge:
                 await _settle([st.flusher])
             try:
                 async with asyncio.timeout(timeout_s):
-                    await self._flush_once(st)
-                    if deregister:
-                        await self._directory.deregister_node(st.spec.node_id)
+                    if st.writer:  # only the lease holder touches the node's entries
+                        await self._flush_once(st)
+                        if deregister:
+                            await self._directory.deregister_node(st.spec.node_id)
+                        await self._directory.release_writer(st.spec.node_id, self._owner)
             except Exception as exc:  # closing must finish; the TTL retires what we could not
                 log.warning("node %s: final flush/deregister failed: %r", st.spec.node_id, exc)
-            with contextlib.suppress(KeyError):
-                TRACKED_BLOCKS.remove(st.spec.node_id)
+            for gauge, labels in [(g, (st.spec.node_id,)) for g in (TRACKED_BLOCKS, WRITER, ENGINE_BLOCK_SIZE)] + [
+                (DEGRADED, (st.spec.node_id, reason)) for reason in ("block_size", "replay")
+            ]:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels)
         self._ctx.destroy(linger=0)
 
     async def __aenter__(self) -> KVEventBridge:
@@ -552,12 +748,19 @@ class KVEventBridge:
     def node_ids(self) -> list[str]:
         return list(self._streams)
 
+    def spec(self, node_id: str) -> EngineSpec:
+        return self._streams[node_id].spec
+
     def stats(self, node_id: str) -> NodeStats:
         st = self._streams[node_id]
         return NodeStats(
             node_id=node_id,
             connected=st.connected,
             registered=st.registered,
+            writer=st.writer,
+            authoritative=st.authoritative,
+            degraded="; ".join(f"{k}: {v}" for k, v in st.degraded.items()),
+            engine_block_size=st.engine_block_size,
             next_seq=st.expected,
             tracked_blocks=len(st.blocks),
             tracked_keys=st.blocks.key_count,
@@ -569,6 +772,7 @@ class KVEventBridge:
             gaps_unrecoverable=st.gaps_unrecoverable,
             resets=st.resets,
             directory_errors=st.directory_errors,
+            replay_failures=st.replay_failures,
         )
 
     # -- event path -------------------------------------------------------------------------
@@ -617,19 +821,62 @@ class KVEventBridge:
     async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             log.info("node %s: connected to %s", st.spec.node_id, st.spec.events)
-            st.connected = True
-            st.liveness_changed.set()
-            # events may have been lost while we were not connected: start over from the engine
-            self._reset(st, "connect")
-            st.last_live = None
-            await self._catch_up(st)
+            await self._connected(st)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             log.warning("node %s: lost %s; heartbeats stop", st.spec.node_id, st.spec.events)
             st.connected = False
-            st.withdraw = st.withdraw or st.registered
+            st.withdraw = st.withdraw or st.writer
             st.registered = False
             st.expected = None
             st.liveness_changed.set()
+
+    async def _connected(self, st: _Stream, live_seq: int | None = None) -> None:
+        """Events may have been lost while we were not connected: rebuild the map from the
+        engine's history, then rewrite the node from it. Never clear it first: what the directory
+        holds may still be true (another bridge wrote it, or we did before a dropped socket), and
+        a history that no longer reaches seq 0 cannot prove otherwise."""
+        RESETS.labels(st.spec.node_id, "connect").inc()
+        st.resets += 1
+        st.blocks.forget()
+        st.authoritative = False
+        st.expected = None
+        st.last_live = None
+        st.engine_block_size = None  # the engine may have been restarted with other settings
+        self._recover(st, "block_size")
+        await self._catch_up(st, live_seq=live_seq)
+        st.rewrite_all = True
+        st.dirty.set()
+        st.connected = True  # registration follows the catch-up: no stale entries go live first
+        st.liveness_changed.set()
+
+    async def _collect(self, sock: zmq.asyncio.Socket) -> None:
+        """Engines whose PUB connects to us: one bound SUB, messages routed by topic."""
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                st = self._routes.get(frames[0]) if len(frames) == 3 else None
+                if st is None:
+                    UNKNOWN_TOPICS.inc()
+                    if len(self._unknown_topics) < 64 and frames[0] not in self._unknown_topics:
+                        self._unknown_topics.add(frames[0])
+                        log.warning("collector: ignoring messages of topic %r (no configured node)", frames[0][:200])
+                    continue
+                try:
+                    if not st.connected:  # its first message since we started: catch up first
+                        try:
+                            live = decode_seq(frames[1])
+                        except KVEventDecodeError:
+                            live = None
+                        log.info("node %s: events arriving at the collector", st.spec.node_id)
+                        await self._connected(st, live_seq=live)
+                    await self._on_message(st, frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug must not stop every collected node's events
+                    log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
+                    self._count_malformed(st)
+        finally:
+            sock.close(linger=0)
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
         if not st.connected:
@@ -644,6 +891,14 @@ class KVEventBridge:
             log.warning("node %s: %s", st.spec.node_id, exc)
             self._count_malformed(st)
             return
+        if "replay" in st.degraded and time.monotonic() >= st.replay_retry_at:
+            log.info("node %s: trying its replay socket again", st.spec.node_id)
+            st.blocks.forget()
+            st.authoritative = False
+            st.expected = None
+            await self._catch_up(st, live_seq=seq)
+            st.rewrite_all = True
+            st.dirty.set()
         if st.last_live is not None and seq <= st.last_live:
             # within one connection a publisher's sequence only grows: this one started over
             self._reset(st, "seq_reset")
@@ -652,7 +907,10 @@ class KVEventBridge:
             if seq > 0:
                 await self._catch_up(st, live_seq=seq)
             else:
-                st.expected = 0
+                st.expected = 0  # the engine's very first batch: nothing came before it
+                if not st.authoritative:
+                    st.authoritative = True
+                    st.rewrite_all = True
         elif seq > st.expected:
             await self._repair_gap(st, seq)
         if seq == st.expected:
@@ -665,15 +923,25 @@ class KVEventBridge:
         batches = await self._fetch_replay(st, 0)
         if batches is None:
             st.expected = live_seq  # no history to be had: follow live events from here
+            if st.spec.replay:
+                st.replay_retry_at = time.monotonic() + self._replay_retry_s
+                self._degrade(st, "replay", "the replay socket did not answer a catch-up; retried on later events")
             return
+        self._recover(st, "replay")
         for seq, payload in batches:
             self._apply(st, seq, payload)
         if batches:
             st.expected = batches[-1][0] + 1
-            if batches[0][0] > 0:
-                log.info("node %s: engine history starts at seq %d; older blocks unknown", st.spec.node_id, batches[0][0])
+            if batches[0][0] == 0:
+                st.authoritative = True  # the engine's whole life: what we hold is all it holds
+            else:
+                log.info(
+                    "node %s: engine history starts at seq %d; its older blocks are kept as the directory has them",
+                    st.spec.node_id, batches[0][0],
+                )  # fmt: skip
         else:
             st.expected = 0 if live_seq is None else live_seq
+            st.authoritative = live_seq is None  # nothing published yet
 
     async def _repair_gap(self, st: _Stream, live_seq: int) -> None:
         assert st.expected is not None
@@ -723,15 +991,20 @@ class KVEventBridge:
                 left = deadline - time.monotonic()
                 if left <= 0 or not await sock.poll(left * 1000):
                     log.warning("node %s: replay from seq %d timed out", st.spec.node_id, start)
+                    self._replay_failed(st, "timeout")
                     return None
                 frames = await sock.recv_multipart()
-                if len(frames) not in (2, 3):
+                # [b"", topic, seq, payload] (current vLLM), [b"", seq, payload] (older vLLM,
+                # SGLang), [seq, payload]: the last two frames are always the sequence and payload
+                if len(frames) not in (2, 3, 4):
                     log.warning("node %s: replay answer of %d frames", st.spec.node_id, len(frames))
+                    self._replay_failed(st, "garbage")
                     return None
                 try:
                     seq = decode_seq(frames[-2])
                 except KVEventDecodeError as exc:
                     log.warning("node %s: replay answer: %s", st.spec.node_id, exc)
+                    self._replay_failed(st, "garbage")
                     return None
                 if seq == END_SEQ:
                     return out
@@ -744,15 +1017,19 @@ class KVEventBridge:
 
     def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
         node = st.spec.node_id
+        # a batch we cannot read may have removed blocks: like a gap that replay cannot fill,
+        # the node is cleared (routed by load) and rebuilt from what the engine stores next
         if len(payload) > self._max_batch_bytes:  # never decode it: msgpack objects cost ~10x the bytes
-            log.warning("node %s: skipping batch seq %d of %d bytes (limit %d)", node, seq, len(payload), self._max_batch_bytes)
+            log.warning("node %s: skipping batch seq %d of %d bytes (limit %d); clearing the node", node, seq, len(payload), self._max_batch_bytes)
             self._count_malformed(st)
+            self._reset(st, "malformed")
             return
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
-            log.warning("node %s: skipping malformed batch seq %d: %s", node, seq, exc)
+            log.warning("node %s: skipping malformed batch seq %d: %s; clearing the node", node, seq, exc)
             self._count_malformed(st)
+            self._reset(st, "malformed")
             return
         if batch.rejected:
             log.warning("node %s: batch seq %d: dropped %s", node, seq, "; ".join(batch.rejected[:5]))
@@ -762,6 +1039,8 @@ class KVEventBridge:
             if isinstance(event, AllBlocksCleared):
                 self._reset(st, "all_blocks_cleared")
                 continue
+            if isinstance(event, BlockStored) and event.token_ids and Tier.from_medium(event.medium) is Tier.GPU:
+                self._learn_block_size(st, event.block_size)
             try:
                 dropped = st.blocks.apply(event)
             except BlockMapOverflow as exc:
@@ -780,11 +1059,48 @@ class KVEventBridge:
             st.dirty.set()
 
     def _reset(self, st: _Stream, reason: str) -> None:
+        """The engine's cache was reset (or what happened in a gap is unknowable): clear the node."""
         RESETS.labels(st.spec.node_id, reason).inc()
         st.resets += 1
         st.blocks.reset()
+        st.authoritative = True  # the directory is cleared with the map
         st.expected = None
         st.dirty.set()
+
+    def _learn_block_size(self, st: _Stream, size: int) -> None:
+        if size == st.engine_block_size:
+            return
+        st.engine_block_size = size
+        ENGINE_BLOCK_SIZE.labels(st.spec.node_id).set(size)
+        if size != self._block_size:
+            log.error(
+                "node %s: engine block size %d differs from the configured block_size %d: none of its blocks can "
+                "be keyed; routing it by load only (set block_size: %d, or the engine's --block-size %d)",
+                st.spec.node_id, size, self._block_size, size, self._block_size,
+            )  # fmt: skip
+            self._degrade(st, "block_size", f"engine block size {size}, configured {self._block_size}")
+
+    def _degrade(self, st: _Stream, reason: str, detail: str) -> None:
+        """Withhold the node's entries (it is then chosen by load alone) until ``reason`` clears."""
+        if reason in st.degraded:
+            return
+        log.warning("node %s: degraded (%s): its entries are withheld, it is routed by load only", st.spec.node_id, detail)
+        st.degraded[reason] = detail
+        DEGRADED.labels(st.spec.node_id, reason).set(1)
+        st.rewrite_all = True
+        st.dirty.set()
+
+    def _recover(self, st: _Stream, reason: str) -> None:
+        if st.degraded.pop(reason, None) is None:
+            return
+        log.info("node %s: %s recovered", st.spec.node_id, reason)
+        DEGRADED.labels(st.spec.node_id, reason).set(0)
+        st.rewrite_all = True
+        st.dirty.set()
+
+    def _replay_failed(self, st: _Stream, reason: str) -> None:
+        REPLAY_FAILURES.labels(st.spec.node_id, reason).inc()
+        st.replay_failures += 1
 
     def _count_malformed(self, st: _Stream) -> None:
         MALFORMED.labels(st.spec.node_id).inc()
@@ -815,15 +1131,29 @@ class KVEventBridge:
 
     async def _flush_once(self, st: _Stream) -> None:
         node = st.spec.node_id
+        if not st.writer:
+            st.blocks.take_changes()  # another bridge writes this node; we rewrite it if we take over
+            return
+        if st.degraded:  # entries withheld: the node is routed by load alone until it recovers
+            st.blocks.take_changes()
+            if st.rewrite_all:
+                await self._directory.replace_node(node, {})
+                st.rewrite_all = False
+            return
         if st.rewrite_all:
             st.blocks.take_changes()  # the snapshot below supersedes them
             snapshot = st.blocks.snapshot()
-            await self._directory.clear_node(node)
-            for tier, keys in snapshot.items():
-                for i in range(0, len(keys), self._WRITE_CHUNK):
-                    await self._directory.record_stored(node, keys[i : i + self._WRITE_CHUNK], tier)
+            if st.authoritative:
+                await self._directory.replace_node(node, snapshot)
+            else:  # the map lacks the engine's older history: add to what the directory has
+                for tier, keys in snapshot.items():
+                    for i in range(0, len(keys), self._WRITE_CHUNK):
+                        await self._directory.record_stored(node, keys[i : i + self._WRITE_CHUNK], tier)
             st.rewrite_all = False
-            log.info("node %s: directory entries rewritten (%d keys)", node, st.blocks.key_count)
+            log.info(
+                "node %s: directory entries %s (%d keys)",
+                node, "replaced" if st.authoritative else "merged", st.blocks.key_count,
+            )  # fmt: skip
             return
         writes = st.blocks.take_writes()
         if writes is None:
@@ -844,33 +1174,55 @@ class KVEventBridge:
         st.registered = False
         st.blocks.take_changes()
 
+    async def _hold_lease(self, st: _Stream) -> None:
+        """Take or renew the node's writer lease; a bridge that gains it rewrites the node."""
+        held = await self._directory.claim_writer(st.spec.node_id, self._owner, self._lease_ttl_s)
+        if held and not st.writer:
+            log.info("node %s: writing its directory entries (writer lease taken)", st.spec.node_id)
+            st.rewrite_all = True
+            st.dirty.set()
+        elif not held and st.writer:
+            log.warning("node %s: another bridge holds the writer lease; following", st.spec.node_id)
+            st.registered = False
+        self._set_writer(st, held)
+
+    def _set_writer(self, st: _Stream, writer: bool) -> None:
+        st.writer = writer
+        WRITER.labels(st.spec.node_id).set(1 if writer else 0)
+
     async def _heartbeat_loop(self, st: _Stream) -> None:
         while True:
             if st.connected:
                 try:
-                    if st.registered:
-                        try:
-                            await self._directory.heartbeat(st.spec.node_id)
-                        except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
-                            st.registered = False
-                            st.rewrite_all = True
-                            st.dirty.set()
-                    if not st.registered:
-                        await self._directory.register_node(st.info)
-                        st.registered = True
-                        st.withdraw = False
+                    await self._hold_lease(st)
+                    # a collected node's liveness is the static fleet's health checks: we cannot
+                    # see its socket, so we only write its entries
+                    if st.writer and not st.spec.collected:
+                        if st.registered:
+                            try:
+                                await self._directory.heartbeat(st.spec.node_id)
+                            except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
+                                st.registered = False
+                                st.rewrite_all = True
+                                st.dirty.set()
+                        if not st.registered:
+                            await self._directory.register_node(st.info)
+                            st.registered = True
+                            st.withdraw = False
                 except Exception as exc:
                     if not isinstance(exc, DirectoryUnavailable):
                         log.exception("node %s: registration failed", st.spec.node_id)
                     self._directory_failed(st, exc)
                     st.dirty.set()
             elif st.withdraw:
-                try:
-                    await self._directory.deregister_node(st.spec.node_id)
+                try:  # dead at once, entries kept: if the socket comes back they are true again
+                    await self._directory.retire_node(st.spec.node_id)
+                    await self._directory.release_writer(st.spec.node_id, self._owner)
                     st.withdraw = False
-                    log.info("node %s: engine gone; deregistered", st.spec.node_id)
+                    self._set_writer(st, False)
+                    log.info("node %s: engine gone; retired", st.spec.node_id)
                 except Exception as exc:  # the heartbeat TTL retires it if we cannot
-                    log.warning("node %s: deregistration failed (%r); will retry", st.spec.node_id, exc)
+                    log.warning("node %s: retiring failed (%r); will retry", st.spec.node_id, exc)
             st.liveness_changed.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._heartbeat_interval_s):

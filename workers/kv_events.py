@@ -20,8 +20,11 @@ Wire format (vLLM ``vllm/distributed/kv_events.py``; SGLang ``srt/disaggregation
 * Block hashes are ints by default (vLLM: the low 64 bits of the digest, read big-endian; some
   producers send them as signed int64) or raw digest bytes. Both are normalised to an unsigned
   64-bit int here, bytes by taking their last 8 bytes big-endian, exactly as vLLM does.
-* Replay: a ROUTER socket. A client sends ``[b"", start_seq (8 bytes)]`` and gets, per buffered
-  batch with ``seq >= start_seq``, ``[b"", seq, payload]``, then ``[b"", -1 (8 bytes, signed), b""]``.
+* Replay: a ROUTER socket. A client (DEALER) sends ``[b"", start_seq (8 bytes)]`` and gets, per
+  buffered batch with ``seq >= start_seq``, ``[b"", topic, seq, payload]``, then the end marker
+  ``[b"", b"", -1 (8 bytes, signed), b""]`` (current vLLM, ``ZmqEventPublisher._service_replay``).
+  Older vLLM and SGLang answer without the topic: ``[b"", seq, payload]`` and
+  ``[b"", -1, b""]``. A reader takes the last two frames as ``seq, payload`` and accepts both.
 
 Decoding is tolerant of what producers legitimately vary (form, omitted trailing defaults,
 unknown fields, extra trailing array elements, int or bytes hashes) and strict about everything
@@ -85,6 +88,9 @@ class AllBlocksCleared(KVCacheEvent, frozen=True, gc=False, omit_defaults=True, 
 
 KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 WireFormat: TypeAlias = Literal["map", "array"]
+ReplayForm: TypeAlias = Literal["topic", "plain"]
+"""How a replay answer is framed: ``topic`` = current vLLM (4 frames at the client), ``plain`` =
+older vLLM and SGLang (3 frames)."""
 
 
 class DecodedBatch(msgspec.Struct, frozen=True, gc=False):
@@ -199,13 +205,16 @@ def _event_from_raw(raw: object) -> KVEvent:
             raise _BadEvent(f"BlockStored without {', '.join(missing)}")
         parent = f.get("parent_block_hash")
         block_size = f["block_size"]
-        if type(block_size) is not int or block_size <= 0:
+        token_ids = _token_list(f["token_ids"])
+        # vLLM's CPU-offload connector announces blocks it lacks metadata for with no tokens and
+        # block_size 0 (placeholders); with tokens, the size must be real
+        if type(block_size) is not int or block_size < 0 or (block_size == 0 and token_ids):
             raise _BadEvent(f"block_size must be a positive integer, got {block_size!r}")
         extra = f.get("extra_keys")
         return BlockStored(
             block_hashes=_hash_list(f["block_hashes"], "block_hashes"),
             parent_block_hash=None if parent is None else normalize_block_hash(parent),
-            token_ids=_token_list(f["token_ids"]),
+            token_ids=token_ids,
             block_size=block_size,
             lora_id=_opt_int(f.get("lora_id"), "lora_id"),
             medium=_opt_str(f.get("medium"), "medium"),
@@ -334,7 +343,9 @@ def encode_batch(
 class KVEventPublisher:
     """ZMQ PUB of KV-event batches with sequence numbers and a replay ROUTER, as vLLM publishes.
 
-    The publisher *binds* both endpoints (engines are the stable side; bridges connect).
+    The publisher binds both endpoints (engines are the stable side; bridges connect), or, with
+    ``connect=True``, connects its PUB to a collector that binds (what vLLM does for any endpoint
+    that is not a wildcard, ipc or inproc); the replay ROUTER always binds, as in vLLM.
 
     Thread-safety: ``publish`` may be called from any thread; one lock orders sequence numbers,
     the PUB send and the replay buffer, and nothing in it blocks (PUB never blocks: at its
@@ -354,9 +365,14 @@ class KVEventPublisher:
         topic: str = "",
         buffer_batches: int = 10_000,
         wire_format: WireFormat = "map",
+        replay_form: ReplayForm = "topic",
+        connect: bool = False,
     ) -> None:
         if wire_format not in ("map", "array"):
             raise ValueError(f"wire_format must be 'map' or 'array', not {wire_format!r}")
+        if replay_form not in ("topic", "plain"):
+            raise ValueError(f"replay_form must be 'topic' or 'plain', not {replay_form!r}")
+        self._replay_form: ReplayForm = replay_form
         if buffer_batches <= 0:
             raise ValueError("buffer_batches must be positive")
         self._wire_format: WireFormat = wire_format
@@ -373,7 +389,10 @@ class KVEventPublisher:
         self._replay: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         try:
-            self._pub.bind(endpoint)
+            if connect:  # vLLM given tcp://host:P: the PUB connects to a collector there
+                self._pub.connect(endpoint)
+            else:
+                self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # a replay answers up to buffer_batches messages at once: never drop any of them
@@ -383,7 +402,7 @@ class KVEventPublisher:
         except Exception:
             self._close_sockets()
             raise
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint if connect else self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
         )
@@ -450,9 +469,11 @@ class KVEventPublisher:
 
     def _answer_replay(self, sock: zmq.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
+        # current vLLM puts the topic before each sequence frame, the end marker's topic empty
+        head, end_head = ((self._topic,), (b"",)) if self._replay_form == "topic" else ((), ())
         if len(frames) != 3 or len(frames[2]) != 8:
             log.warning("ignoring malformed replay request of %d frames", len(frames))
-            sock.send_multipart((identity, b"", encode_seq(END_SEQ), b""))
+            sock.send_multipart((identity, b"", *end_head, encode_seq(END_SEQ), b""))
             return
         start = int.from_bytes(frames[2], "big")
         with self._lock:
@@ -462,8 +483,8 @@ class KVEventPublisher:
             else:
                 todo = []
         for seq, payload in todo:
-            sock.send_multipart((identity, b"", encode_seq(seq), payload))
-        sock.send_multipart((identity, b"", encode_seq(END_SEQ), b""))
+            sock.send_multipart((identity, b"", *head, encode_seq(seq), payload))
+        sock.send_multipart((identity, b"", *end_head, encode_seq(END_SEQ), b""))
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -39,6 +39,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER endpoint for KV-event replay")
     parser.add_argument("--events-topic", default="", help="topic frame of KV-event messages (default: empty)")
+    parser.add_argument(
+        "--events-connect",
+        action="store_true",
+        help="connect the PUB socket to --events-endpoint (a collector kvgate binds) instead of binding it",
+    )
+    parser.add_argument(
+        "--replay-buffer", type=int, default=10_000, help="KV-event batches kept for replay (vLLM: 10000)"
+    )
     parser.add_argument("--node-id", default=None, help="node id in x-kvgate-node (default: host:port)")
     parser.add_argument(
         "--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
@@ -77,6 +85,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be positive"
     if args.max_tokens_default < 1:
         return "--max-tokens-default must be >= 1"
+    if args.replay_buffer < 1:
+        return "--replay-buffer must be at least 1"
     if args.replay_endpoint and not args.events_endpoint:
         return "--replay-endpoint needs --events-endpoint"
     if args.transfer_port is not None and not 0 < args.transfer_port < 65536:
@@ -116,7 +126,10 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.events_endpoint:
         from workers.engine.events import EventPublisher
 
-        events = EventPublisher(args.events_endpoint, replay_endpoint=args.replay_endpoint, topic=args.events_topic)
+        events = EventPublisher(
+            args.events_endpoint, replay_endpoint=args.replay_endpoint, topic=args.events_topic,
+            buffer_batches=args.replay_buffer, connect=args.events_connect,
+        )  # fmt: skip
     engine = Engine(config, tokenizer, events)
     runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
     await runner.setup()

@@ -25,6 +25,8 @@ def to_wire(records: Sequence[CacheEvent]) -> list[KVEvent]:
                     token_ids=list(r.token_ids),
                     block_size=r.block_size,
                     medium=r.medium,
+                    lora_name=r.lora_name,
+                    extra_keys=None if r.extra_keys is None else [None if e is None else list(e) for e in r.extra_keys],
                 )
             )
         elif isinstance(r, BlocksRemoved):
@@ -39,8 +41,18 @@ def to_wire(records: Sequence[CacheEvent]) -> list[KVEvent]:
 class EventPublisher:
     """Publishes each non-empty step's records as one ``EventBatch``; counts what it sent."""
 
-    def __init__(self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "") -> None:
-        self._pub = KVEventPublisher(endpoint, replay_endpoint=replay_endpoint, topic=topic)
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_batches: int = 10_000,
+        connect: bool = False,
+    ) -> None:
+        self._pub = KVEventPublisher(
+            endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_batches=buffer_batches, connect=connect
+        )
         self.endpoint = self._pub.endpoint
         self.replay_endpoint = self._pub.replay_endpoint
         self.batches = 0

@@ -93,6 +93,8 @@ class BlocksStored:
     token_ids: tuple[int, ...]
     block_size: int
     medium: str
+    lora_name: str | None = None
+    extra_keys: tuple[tuple[str, ...] | None, ...] | None = None  # per block, as vLLM 0.32 publishes them
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,6 +243,9 @@ class PrefixCache:
         token_ids: np.ndarray,
         depth0: int,
         now: float,
+        *,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         """Turn one private block per hash into a cached, referenced block (its KV is now computed).
 
@@ -274,11 +279,11 @@ class PrefixCache:
                 b.ref_count += 1
                 b.last_used = now
                 if stored:  # a run of new blocks ended: record it
-                    self._record_stored(stored, new_start, token_ids)
+                    self._record_stored(stored, new_start, token_ids, lora, cache_salt)
                     stored, new_start = [], -1
             parent = b
         if stored:
-            self._record_stored(stored, new_start, token_ids)
+            self._record_stored(stored, new_start, token_ids, lora, cache_salt)
 
     def clear(self) -> int:
         """Drop every cached block (``POST /debug/reset``); refuses while requests hold blocks."""
@@ -298,13 +303,26 @@ class PrefixCache:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _record_stored(self, stored: list[int], start: int, token_ids: np.ndarray) -> None:
-        """One BlocksStored for a run of new blocks; ``start`` indexes the run within the commit."""
+    def _record_stored(
+        self, stored: list[int], start: int, token_ids: np.ndarray, lora: str | None, cache_salt: str | None
+    ) -> None:
+        """One BlocksStored for a run of new blocks; ``start`` indexes the run within the commit.
+
+        Like vLLM 0.32: every block of a LoRA request carries the adapter name in ``extra_keys``,
+        block 0 of a sequence the cache salt after it."""
         bs = self.block_size
-        parent = self._blocks[stored[0]].parent
-        parent_hash = parent.block_hash if parent is not None else None
+        first = self._blocks[stored[0]]
+        parent_hash = first.parent.block_hash if first.parent is not None else None
         toks = token_ids[start * bs : (start + len(stored)) * bs]
-        self._events.append(BlocksStored(tuple(stored), parent_hash, tuple(toks.tolist()), bs, self.medium))
+        extra = tuple(
+            tuple(k for k in (lora, cache_salt if first.depth + j == 0 else None) if k) or None for j in range(len(stored))
+        )
+        self._events.append(
+            BlocksStored(
+                tuple(stored), parent_hash, tuple(toks.tolist()), bs, self.medium, lora,
+                extra if any(e is not None for e in extra) else None,
+            )
+        )  # fmt: skip
 
     def _push(self, b: CachedBlock) -> None:
         b.heap_version += 1

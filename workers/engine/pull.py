@@ -207,7 +207,7 @@ class PullCoordinator:
                 await asyncio.sleep(wait)
             cache.commit(
                 list(pulled.hashes), sim.keys[have:m], local[-1] if local else None,
-                sim.tokens[have * bs : m * bs], have, runtime.now(),
+                sim.tokens[have * bs : m * bs], have, runtime.now(), lora=sim.lora, cache_salt=sim.cache_salt,
             )
             self.agent.adopt(pulled)  # before the flush: the pulled bytes become the blocks' slots
             committed = True

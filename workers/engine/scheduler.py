@@ -69,6 +69,8 @@ class SimRequest:
     preemptions: int = 0
     aborted: bool = False
     in_step: bool = False
+    lora: str | None = None  # the key namespace, published with its blocks' events
+    cache_salt: str | None = None
 
     @classmethod
     def create(
@@ -81,6 +83,8 @@ class SimRequest:
         root_hash: int,
         key_seed: int,
         arrival: float,
+        lora: str | None = None,
+        cache_salt: str | None = None,
     ) -> SimRequest:
         """Hash every block that can ever hold KV: the prompt and all reply tokens but the last."""
         tokens = np.concatenate([np.asarray(prompt_ids, dtype=np.uint32), reply.token_ids.astype(np.uint32)])
@@ -88,8 +92,9 @@ class SimRequest:
         hashes = engine_block_hashes(with_kv, block_size=block_size, parent=root_hash)
         keys = block_keys(with_kv, block_size=block_size, seed=key_seed)
         return cls(
-            request_id, tokens, len(prompt_ids), len(reply.token_ids), reply.finish_reason, list(hashes), keys, arrival
-        )
+            request_id, tokens, len(prompt_ids), len(reply.token_ids), reply.finish_reason, list(hashes), keys, arrival,
+            lora=lora, cache_salt=cache_salt,
+        )  # fmt: skip
 
     @property
     def known_tokens(self) -> int:
@@ -302,8 +307,9 @@ class Scheduler:
             return
         new = r.hashes[h:full]
         self.cache.commit(
-            new, r.keys[h:full], r.held[-1] if h else None, r.tokens[h * bs : full * bs], h, now
-        )
+            new, r.keys[h:full], r.held[-1] if h else None, r.tokens[h * bs : full * bs], h, now,
+            lora=r.lora, cache_salt=r.cache_salt,
+        )  # fmt: skip
         r.private -= len(new)
         r.held.extend(new)
 

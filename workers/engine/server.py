@@ -199,6 +199,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         root_hash=root_hash(lora=tp.lora, cache_salt=tp.cache_salt),
         key_seed=namespace_seed(cfg.model, lora=tp.lora, cache_salt=tp.cache_salt),
         arrival=time.monotonic(),
+        lora=tp.lora,
+        cache_salt=tp.cache_salt,
     )
     pull = await engine.pulls.prepare(sim, request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
     stream = engine.pulls.submit(sim, pull, arrival_wall)

@@ -1,0 +1,3 @@
+-- Give up the writer lease, if the caller still holds it. KEYS: writer lease; ARGV: owner id.
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
