@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos install clean
+.PHONY: demo test chaos install vllm clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,18 +29,27 @@ $(SYSDEPS): $(STAMP)
 	fi
 	touch $(SYSDEPS)
 
+# Real vLLM (CPU build, ~3.4 GB, 3-8 min) in a venv of its own: its pins (setuptools, numpy via
+# numba, transformers) are not kvgate's. The conformance tests run against it (docs/real-vllm.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-0.32.0
+$(VLLM_STAMP): $(STAMP)
+	$(BIN)/kvgate vllm install --venv $(VLLM_VENV)
+
 install: $(STAMP)
+
+vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvgate demo
 
 # The long chaos suite (tests/chaos, ~2 min) runs under `make chaos`; `make test` keeps its
 # short subset (tests marked chaos_short, ~50 s).
-test: $(STAMP) $(HELM_STAMP) $(SYSDEPS)
-	$(BIN)/pytest -q -p no:cacheprovider -m "not chaos" $(PYTEST_ARGS)
+test: $(STAMP) $(HELM_STAMP) $(SYSDEPS) $(VLLM_STAMP)
+	KVGATE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q -p no:cacheprovider -m "not chaos" $(PYTEST_ARGS)
 
 chaos: $(STAMP) $(SYSDEPS)
 	$(BIN)/pytest -q -p no:cacheprovider -m "chaos or chaos_short" tests/chaos $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("gateway.bench_cmd", "measure what the gateway costs per request"),
     "demo": ("loadtest.demo", "the headline experiment at demo scale: 8 nodes, multi-turn chats, round-robin vs kvgate"),
     "loadtest": ("loadtest.cli", "replay traffic through a fleet under several policies, or simulate one"),
+    "vllm": ("loadtest.real_vllm.cli", "real vLLM engines (CPU build) on this machine: install, start a fleet"),
 }
 
 

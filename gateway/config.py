@@ -192,6 +192,11 @@ class NodeConfig(_Section):
     events_endpoint: str = Field("", description="ZMQ PUB endpoint of its KV events (tcp://host:5557)")
     replay_endpoint: str = Field("", description="ZMQ ROUTER endpoint of its KV-event replay")
     model: str = Field("", description="model name the node serves (keys its KV events); default: first of `models`")
+    events_topic: str = Field(
+        "",
+        description="with `events_collector`: the topic its engine publishes under; "
+        "default kv@<address>@<model> or kv@<host>@<model>",
+    )
 
     @field_validator("address")
     @classmethod
@@ -446,6 +451,18 @@ class KvgateConfig(BaseSettings):
     tokenizer: TokenizerConfig = TokenizerConfig()
     directory: DirectoryConfig = DirectoryConfig()
     fleet: list[NodeConfig] = Field(default_factory=list, description="static fleet (bridges may register more)")
+    max_tracked_blocks_per_node: int = Field(
+        1_000_000,
+        ge=1,
+        description="KV-event bridge memory bound: engine blocks tracked per followed node (~210 B each, in every "
+        "replica); past it the node is cleared and rebuilt. Set it above the engines' KV capacity in blocks",
+    )
+    events_collector: str = Field(
+        "",
+        description="ZMQ endpoint kvgate binds for engines whose PUB connects to it (vLLM given "
+        "endpoint tcp://kvgate:PORT), e.g. tcp://0.0.0.0:5557: fleet nodes without an events_endpoint are then "
+        "followed through it, told apart by topic; empty = off",
+    )
     discovery: DiscoveryConfig = DiscoveryConfig()
     policy: PolicyConfig = PolicyConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -501,7 +518,7 @@ class KvgateConfig(BaseSettings):
     def _bridged_nodes_have_a_model(self) -> KvgateConfig:
         # Block keys are seeded by the model name: events of an unknown model cannot be keyed.
         for node in self.fleet:
-            if node.events_endpoint and not (node.model or self.models):
+            if (node.events_endpoint or self.events_collector) and not (node.model or self.models):
                 raise ValueError(
                     f"fleet node {node.node_id!r} has an events_endpoint but no model: set its `model` or `models`"
                 )
@@ -513,6 +530,16 @@ class KvgateConfig(BaseSettings):
         if k8s.enabled and k8s.events_port is not None and not (k8s.model or self.models):
             raise ValueError("discovery.kubernetes.events_port is set but no model: set discovery.kubernetes.model or `models`")
         return self
+
+    @field_validator("events_collector")
+    @classmethod
+    def _collector(cls, value: str) -> str:
+        if not value:
+            return value
+        scheme, _, rest = value.partition("://")
+        if scheme == "tcp" and rest.startswith("*:"):
+            value = "tcp://0.0.0.0:" + rest[2:]  # what ZMQ binds for a wildcard
+        return check_zmq_endpoint(value)
 
     @model_validator(mode="after")
     def _adapters_name_their_base(self) -> KvgateConfig:

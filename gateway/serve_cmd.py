@@ -100,9 +100,17 @@ def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
 
 def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     """One in-process KV-event bridge per model among the nodes that publish events."""
-    from workers.bridge import EngineSpec, KVEventBridge
+    from workers.bridge import COLLECTOR, EngineSpec, KVEventBridge
 
     by_model: dict[str, list[EngineSpec]] = {}
+    collected = [
+        EngineSpec(
+            node_id=n.node_id, address=n.address, events=COLLECTOR, replay=n.replay_endpoint or None,
+            transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n),
+        )
+        for n in cfg.fleet
+        if cfg.events_collector and not n.events_endpoint
+    ]  # fmt: skip
     for n in cfg.fleet:
         if n.events_endpoint:
             by_model.setdefault(cfg.node_model(n), []).append(
@@ -114,16 +122,26 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
                     transfer=n.transfer_endpoint,
                 )
             )
-    return [
+    bridges = [
         KVEventBridge(
             directory,
             specs,
             model=model,
             block_size=cfg.block_size,
             heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1),
+            max_blocks_per_node=cfg.max_tracked_blocks_per_node,
         )
         for model, specs in by_model.items()
     ]
+    if collected:  # one socket for every engine that connects to us, whatever its model
+        bridges.append(
+            KVEventBridge(
+                directory, collected, model=collected[0].model, block_size=cfg.block_size,
+                heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1), collector=cfg.events_collector,
+                max_blocks_per_node=cfg.max_tracked_blocks_per_node,
+            )  # fmt: skip
+        )
+    return bridges
 
 
 async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:

@@ -184,6 +184,10 @@ class LocalFleet:
 
     # -- gateways ----------------------------------------------------------------------------
 
+    def serve_settings(self) -> dict[str, object]:
+        """Extra ``kvgate serve`` settings these engines need (block size, tokenizer); none here."""
+        return {}
+
     @contextmanager
     def gateway(self, kind: str, *, lb_policy: str = "", policy: str = "") -> Iterator[Gateway]:
         """Bring up the gateway ``kind`` in front of the engines; stop it on exit."""
@@ -253,6 +257,7 @@ class LocalFleet:
             "policy": {"name": policy, "profile": o.profile},
             "limits": {"max_body_bytes": o.max_body_bytes},
             "log": {"level": "WARNING"},
+            **self.serve_settings(),
         }
         cfg = self.workdir / f"kvgate-{policy}.yaml"
         cfg.write_text(yaml.safe_dump(config))

@@ -52,12 +52,19 @@ def envoy_binary() -> str:
 class ManagedProcess:
     """One child process and its log."""
 
-    def __init__(self, name: str, cmd: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, name: str, cmd: Sequence[str], log_dir: Path, env: dict[str, str] | None = None, *, group: bool = False
+    ) -> None:
+        """``group``: start it as a process-group leader and stop the whole group (its pid), for
+        programs that fork helpers of their own (vLLM's engine core)."""
         self.name = name
+        self.group = group
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")
         full_env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.popen = subprocess.Popen(list(cmd), stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO)
+        self.popen = subprocess.Popen(
+            list(cmd), stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO, start_new_session=group
+        )
 
     @property
     def pid(self) -> int:
@@ -79,14 +86,25 @@ class ManagedProcess:
             time.sleep(0.05)
         raise TimeoutError(f"{self.name} does not listen on 127.0.0.1:{port} after {timeout_s:g} s; log: {self.tail()}")
 
+    def _signal(self, sig: int) -> None:
+        if self.group:
+            try:
+                os.killpg(self.pid, sig)  # the group we started: its id is our child's pid
+            except ProcessLookupError:
+                pass
+        else:
+            self.popen.send_signal(sig)
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.alive():
-            self.popen.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
+                self._signal(signal.SIGKILL)
                 self.popen.wait()
+        if self.group:
+            self._signal(signal.SIGKILL)  # helpers that outlived the leader
         self._log.close()
 
     def tail(self, chars: int = 2000) -> str:

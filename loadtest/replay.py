@@ -8,12 +8,17 @@ the gateway. The engines stay up across policies, so every policy meets the same
 ``--attach URL --attach-workers URL ...`` skips the local fleet: traffic goes to URL (whatever
 gateway runs there; the run is labelled with the single policy given), caches are reset and busy
 time read on the listed workers, decision latency from ``--attach-metrics`` if given.
+
+``--engine vllm`` runs the same workloads against real vLLM engines (``loadtest.real_vllm``): one
+per core by default, block size 32, caches emptied with ``POST /reset_prefix_cache``; hit rates
+come from vLLM's own ``cached_tokens``; busy time is unknown, so imbalance is by request count.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 import tempfile
@@ -54,7 +59,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fleet")
     f.add_argument("--policies", default="round_robin,least_request,kvgate",
                    help=f"comma-separated, from: {', '.join(REPLAY_POLICIES)}")
-    f.add_argument("--nodes", type=int, default=8)
+    f.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                   help="sim: kvgate's simulated engines; vllm: real vLLM (CPU build, `kvgate vllm install` first)")
+    f.add_argument("--vllm-venv", type=Path, default=None, help="where `kvgate vllm install` put vLLM (default .venv-vllm)")
+    f.add_argument("--nodes", type=int, default=None, help="engines (default: 8 simulated, or one vLLM per core)")
     f.add_argument("--profile", default="llama-3.1-8b-h100", help="hardware profile of engines and cost model")
     f.add_argument("--time-scale", type=float, default=1.0, help="engines' real seconds per modelled second")
     f.add_argument("--kv-blocks", type=int, default=None, help="engines' KV capacity in blocks")
@@ -148,12 +156,24 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
         return result, samples
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvgate-loadtest-"))
-    opts = FleetOptions(nodes=args.nodes, model=args.model, profile=args.profile, time_scale=args.time_scale,
+    nodes = args.nodes or (8 if args.engine == "sim" else os.cpu_count() or 1)
+    opts = FleetOptions(nodes=nodes, model=args.model, profile=args.profile, time_scale=args.time_scale,
                         kv_blocks=args.kv_blocks, directory_url=args.directory)
-    result["fleet"] = {"nodes": args.nodes, "profile": args.profile, "time_scale": args.time_scale,
+    result["fleet"] = {"engine": args.engine, "nodes": nodes, "profile": args.profile, "time_scale": args.time_scale,
                        "kv_blocks": args.kv_blocks, "directory": args.directory, "workdir": str(workdir)}
-    console.print(f"starting {args.nodes} engines (logs in {workdir})")
-    with LocalFleet(opts, workdir) as fleet:
+    block_size = profile.block_size
+    if args.engine == "vllm":
+        from loadtest.real_vllm.fleet import VllmFleet, VllmOptions
+        from loadtest.real_vllm.install import DEFAULT_VENV
+
+        vllm_fleet = VllmFleet(opts, workdir, VllmOptions(venv=args.vllm_venv or DEFAULT_VENV))
+        block_size = vllm_fleet.vllm.block_size
+        fleet_cm: LocalFleet = vllm_fleet
+        result["fleet"]["block_size"] = block_size
+    else:
+        fleet_cm = LocalFleet(opts, workdir)
+    console.print(f"starting {nodes} {args.engine} engines (logs in {workdir})")
+    with fleet_cm as fleet:
         for name in policies:
             gw_spec = REPLAY_POLICIES[name]
             if gw_spec.kind == "sglang" and workload.token_id_prompts:
@@ -162,7 +182,7 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
             fleet.reset_caches()
             with fleet.gateway(gw_spec.kind, lb_policy=gw_spec.lb_policy, policy=gw_spec.policy) as gw:
                 run = measure(workload, gw.url, label=name, args=args, tokenizer=tokenizer,
-                              block_size=profile.block_size, busy_before=fleet.busy_seconds(),
+                              block_size=block_size, busy_before=fleet.busy_seconds(),
                               busy_after_fn=fleet.busy_seconds, metrics_url=gw.metrics_url, nodes=fleet.node_ids)
             result["policies"][name] = run.summary
             samples[name] = run.samples_ms

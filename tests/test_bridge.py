@@ -15,10 +15,11 @@ import zmq
 from prometheus_client import REGISTRY
 
 from directory_client import open_directory
-from directory_client.types import Directory, DirectoryUnavailable, Tier
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, Tier
 from tests.conftest import REPO, free_port
 from tokenizer.keys import BlockKey, block_keys, namespace_seed, request_seed
 from workers.bridge import (
+    COLLECTOR,
     BlockMapOverflow,
     EngineSpec,
     KVEventBridge,
@@ -227,6 +228,16 @@ def test_map_is_bounded() -> None:
     m.apply(stored([1, 2, 3], tokens(0, 3)))
     with pytest.raises(BlockMapOverflow):
         m.apply(stored([4], tokens(48, 1), parent=3))
+
+
+def test_map_memory_per_tracked_block() -> None:
+    """What each replica pays per engine block it follows (issue: 361 B as objects, 4M blocks per
+    node by default = 1.4 GB): now plain ints, bounded by max_blocks_per_node (default 1M)."""
+    from workers.bridge_memory import bytes_per_block
+
+    per = bytes_per_block(64_000)
+    print(f"\nbridge map: {per:.0f} B per tracked block")
+    assert per < 260
 
 
 def test_engine_spec_parsing() -> None:
@@ -491,6 +502,54 @@ async def test_engine_block_size_mismatch_is_flagged_and_the_node_routed_by_load
         await asyncio.sleep(0.2)
         assert await held(directory, node_id, keys_of(tokens(900, 1))) == 0
     eng.pub.close()
+
+
+async def test_engines_whose_pub_connects_to_the_collector_are_followed_by_topic(directory: Directory, node_id: str) -> None:
+    """vLLM binds its PUB only for ``tcp://*:P``; given ``tcp://kvgate:P`` it connects. The bridge
+    then binds one collector socket and tells engines apart by topic ``kv@<address>@<model>``
+    (or ``kv@<host>@<model>``, as in ``kv@$(POD_IP)@model``); replay still goes to each engine.
+    A topic naming no configured node is counted and ignored: nobody registers a node by sending."""
+    collector = f"tcp://127.0.0.1:{free_port()}"
+    a_addr, b_addr = f"127.0.0.1:{free_port()}", "127.0.0.2:8000"
+    pubs = {
+        "a": KVEventPublisher(collector, connect=True, topic=f"kv@{a_addr}@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        "b": KVEventPublisher(collector, connect=True, topic=f"kv@127.0.0.2@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        "x": KVEventPublisher(collector, connect=True, topic=f"kv@10.9.9.9:1@{MODEL}"),
+    }  # fmt: skip
+    ids = {"a": node_id + "-a", "b": node_id + "-b"}
+    specs = [
+        EngineSpec(ids["a"], a_addr, COLLECTOR, replay=pubs["a"].replay_endpoint),
+        EngineSpec(ids["b"], b_addr, COLLECTOR, replay=pubs["b"].replay_endpoint),
+    ]
+    history, a, b = tokens(0, 2), tokens(3000, 1), tokens(6000, 2)
+    pubs["a"].publish([stored([1, 2], history)])  # before the bridge: reaches it through replay
+    unknown_before = REGISTRY.get_sample_value("kvgate_bridge_unknown_topic_messages_total") or 0.0
+    for n in ids.values():  # the static fleet's health checks register them (the keeper's job)
+        await directory.register_node(NodeInfo(n, a_addr if n.endswith("-a") else b_addr, model=MODEL))
+    bridge = KVEventBridge(directory, specs, model=MODEL, block_size=BS, heartbeat_interval_s=0.2, collector=collector)
+    await bridge.start()
+    try:
+        while bridge.stats(ids["a"]).next_seq is None or bridge.stats(ids["b"]).next_seq is None:
+            for p in pubs.values():  # until each connection has joined
+                p.publish([])
+            await asyncio.sleep(0.05)
+        pubs["a"].publish([stored([3], a)])
+        pubs["b"].publish([stored([4, 5], b)])
+        await eventually(lambda: _eq(held(directory, ids["a"], keys_of(history)), 2), what="a's history")
+        await eventually(lambda: _eq(held(directory, ids["a"], keys_of(a)), 1), what="a's live block")
+        await eventually(lambda: _eq(held(directory, ids["b"], keys_of(b)), 2), what="b's blocks")
+        assert await held(directory, ids["b"], keys_of(a)) == 0
+
+        async def unknown_counted() -> bool:
+            pubs["x"].publish([stored([9], tokens(9000, 1))])
+            return REGISTRY.get_sample_value("kvgate_bridge_unknown_topic_messages_total") > unknown_before
+
+        await eventually(unknown_counted, what="unknown topic counted")
+        assert {n.node_id for n in await directory.live_nodes()} == set(ids.values())
+    finally:
+        await bridge.aclose(deregister=False)
+        for p in pubs.values():
+            p.close()
 
 
 async def readyz(directory: Directory, bridge: KVEventBridge) -> dict:

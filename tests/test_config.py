@@ -241,3 +241,19 @@ def test_lora_adapters_map_to_a_listed_base_model():
     for bad in ({"support-bot": "other-model"}, {"llama-8b": "llama-8b"}):
         with pytest.raises(ConfigError, match="lora_adapters"):
             load_config(None, models=["llama-8b"], lora_adapters=bad)
+
+
+def test_an_events_collector_follows_the_nodes_without_an_events_endpoint():
+    from gateway.serve_cmd import embedded_bridges
+    from workers.bridge import COLLECTOR
+
+    node = {"node_id": "a", "address": "10.0.0.1:8000", "replay_endpoint": "tcp://10.0.0.1:5558"}
+    assert "no model" in errors_of(fleet=[node], events_collector="tcp://*:5557")
+    cfg = load_config(fleet=[node, {"node_id": "b", "address": "10.0.0.2:8000", "events_topic": "kv@b@m"}],
+                      models=["m"], events_collector="tcp://*:5557")  # fmt: skip
+    assert cfg.events_collector == "tcp://0.0.0.0:5557"  # ZMQ's wildcard bind, spelled as an address
+    (bridge,) = embedded_bridges(cfg, directory=None)
+    assert bridge.node_ids == ["a", "b"]
+    assert {s.node_id: (s.events, s.replay, s.topic) for s in map(bridge.spec, bridge.node_ids)} == {
+        "a": (COLLECTOR, "tcp://10.0.0.1:5558", ""), "b": (COLLECTOR, None, "kv@b@m"),
+    }  # fmt: skip

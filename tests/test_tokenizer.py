@@ -55,7 +55,8 @@ def test_content_parts_null_and_tool_messages(pt: PromptTokenizer) -> None:
         {"role": "tool", "content": "42", "tool_call_id": "1"},
     ]
     rendered = pt.render_chat(messages)
-    assert rendered == f"{BOS}{USER}a\nb{ASSISTANT}{EOS}<｜tool▁output▁begin｜>42<｜tool▁output▁end｜>{ASSISTANT}"
+    calls = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
+    assert rendered == f"{BOS}{USER}a\nb{ASSISTANT}{calls}{EOS}<｜tool▁output▁begin｜>42<｜tool▁output▁end｜>{ASSISTANT}"
     assert messages[1]["content"] is None  # the caller's body is not modified
 
 
@@ -142,10 +143,11 @@ def test_path_query_string_and_trailing_slash_are_ignored(pt: PromptTokenizer) -
 
 def test_chat_body_options(pt: PromptTokenizer) -> None:
     messages = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi th"}]
-    cont = pt.tokenize_body(CHAT, {"model": "m", "messages": messages, "continue_final_message": True})
+    cont_flags = {"continue_final_message": True, "add_generation_prompt": False}
+    cont = pt.tokenize_body(CHAT, {"model": "m", "messages": messages, **cont_flags})
     assert pt.decode(cont.token_ids) == f"{BOS}{USER}Say hi{ASSISTANT}Hi th"
     parts = [messages[0], {"role": "assistant", "content": [{"type": "text", "text": "Hi th"}]}]
-    assert pt.tokenize_body(CHAT, {"model": "m", "messages": parts, "continue_final_message": True}).token_ids.tolist() == cont.token_ids.tolist()
+    assert pt.tokenize_body(CHAT, {"model": "m", "messages": parts, **cont_flags}).token_ids.tolist() == cont.token_ids.tolist()
     no_gen = pt.tokenize_body(CHAT, {"model": "m", "messages": messages[:1], "add_generation_prompt": False})
     assert pt.decode(no_gen.token_ids) == f"{BOS}{USER}Say hi"
 
@@ -164,6 +166,10 @@ BAD_BODIES: list[tuple[str, Any, str]] = [
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": ["x"]}]}, r"content\[0\] must be an object"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": "yes"}, "must be a boolean"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
+    # add_generation_prompt defaults to true: vLLM refuses continue_final_message alone (HTTP 400)
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "continue_final_message": True}, "cannot both be true"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, r"'tools'\[0\].function.name"),
+    (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "retrieval", "function": {"name": "f"}}]}, r"'tools'\[0\].type"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": []}, "must be an object"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": 1}, "'cache_salt'"),
     (CHAT, {"model": "m", "messages": [{"role": "user", "content": "x"}], "cache_salt": ""}, "'cache_salt'"),
@@ -207,9 +213,11 @@ def _tokenizer_dir(tmp_path: Path, config: dict[str, Any] | None, template_file:
     return tmp_path
 
 
-def test_template_from_tokenizer_config_wins_over_template_file(tmp_path: Path) -> None:
-    config = {"bos_token": {"content": BOS}, "eos_token": EOS, "chat_template": "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"}
-    pt = PromptTokenizer(_tokenizer_dir(tmp_path, config, "IGNORED"))
+def test_template_file_wins_over_tokenizer_config(tmp_path: Path) -> None:
+    """transformers (and so vLLM) take chat_template.jinja over the config's key: kvgate must too,
+    or every chat of such a model is keyed on a prompt the engine never sees."""
+    config = {"bos_token": {"content": BOS}, "eos_token": EOS, "chat_template": "IGNORED"}
+    pt = PromptTokenizer(_tokenizer_dir(tmp_path, config, "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"))
     assert pt.render_chat([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]) == f"{BOS}[a][b]"
 
 

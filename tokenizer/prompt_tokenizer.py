@@ -80,16 +80,28 @@ class TokenizedPrompt:
     cache_salt: str | None = None  # the body's "cache_salt" (vLLM's field), if any
 
 
-def _continue_final_message(rendered: str, messages: list[Any]) -> str:
-    """Cut the rendering right after the last message's text, so generation continues it (HF's rule)."""
-    final = normalize_content(messages[-1].get("content"), f"messages[{len(messages) - 1}]")
-    stripped = final.strip()
-    at = rendered.rfind(stripped)
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _continue_final_message(template: ChatTemplate, prompt: ChatPrompt) -> str:
+    """Render so that generation continues the last message: transformers' (5.x) own rule.
+
+    The final message's text gets a marker appended, the chat is rendered, and the prompt is cut
+    where the marker starts (and right-stripped if the template trimmed the marker's space).
+    """
+    messages = list(prompt.messages)
+    last = len(messages) - 1
+    final = messages[last]
+    if not isinstance(final, dict):
+        raise InvalidPrompt(f"messages[{last}] must be an object")
+    messages[last] = {**final, "content": normalize_content(final.get("content"), f"messages[{last}]") + _CONTINUE_TAG}
+    rendered = template.render(messages, add_generation_prompt=False, **prompt.template_kwargs)
+    at = rendered.rfind(_CONTINUE_TAG.strip())
     if at < 0:
         raise InvalidPrompt("'continue_final_message': the final message does not appear in the rendered prompt")
-    keep = final.lstrip()
-    end = at + (len(keep) if rendered[at : at + len(keep)] == keep else len(stripped))
-    return rendered[:end]
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
 
 
 def _utf8_len_over(text: str, limit: int) -> bool:
@@ -171,11 +183,11 @@ class PromptTokenizer:
         """The text to encode for a parsed prompt, and whether to add the post-processor's tokens."""
         if isinstance(prompt, TextPrompt):
             return prompt.text, prompt.add_special_tokens
+        if prompt.continue_final_message:
+            return _continue_final_message(self.template, prompt), prompt.add_special_tokens
         text = self.template.render(
             prompt.messages, add_generation_prompt=prompt.add_generation_prompt, **prompt.template_kwargs
         )
-        if prompt.continue_final_message:
-            text = _continue_final_message(text, prompt.messages)
         return text, prompt.add_special_tokens
 
     def prepare(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> PreparedPrompt:

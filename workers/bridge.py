@@ -48,9 +48,12 @@ What it guarantees (and what it does not):
   its entries from the map (replaced or added to, as above), so nothing is lost but freshness
   during the outage.
 * **Bounded memory.** The map holds one entry per block the engine currently caches (every store
-  is matched by a removal), so it is bounded by the engine's capacity; ``max_blocks_per_node``
-  (default 8× the declared capacity, or 4M) guards against an engine that never sends removals:
-  past it the node is cleared and rebuilt. Pending changes are a dict over the same keys.
+  is matched by a removal), so it is bounded by the engine's capacity: ~210 B per tracked block
+  (``python -m workers.bridge_memory``; plain ints in two dicts, it was ~310 B as objects), held
+  by every replica following the node, writer or not. ``max_blocks_per_node`` (default 8× the
+  declared capacity, else 1M blocks ≈ 200 MiB) guards against an engine that never sends
+  removals: past it the node is cleared and rebuilt. Pending changes are a dict over the same
+  keys, emptied by every flush.
 * **Untrusted input.** A batch that does not decode, or is larger than ``max_batch_bytes``
   (default 16 MiB; vLLM's per-step batches are kilobytes), is logged, counted
   (``kvgate_bridge_malformed_batches_total``) and skipped unread; its sequence number is consumed
@@ -151,28 +154,49 @@ DEGRADED = Gauge(
 REPLAY_FAILURES = Counter(
     "kvgate_bridge_replay_failures_total", "replay requests that failed (reason: timeout, garbage)", ["node", "reason"]
 )
+UNKNOWN_TOPICS = Counter(
+    "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
+)
 WRITER = Gauge(
     "kvgate_bridge_writer", "1 while this bridge holds the node's writer lease (0: another replica writes it)", ["node"]
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
+DEFAULT_MAX_BLOCKS_PER_NODE = 1_000_000
+"""Blocks tracked per node when the engine's capacity is unknown (~200 MiB at ~210 B a block)."""
 
 
 # ---------------------------------------------------------------------------------------------
 # configuration
 
 
+COLLECTOR = "collector"
+"""``EngineSpec.events`` of an engine whose PUB socket connects to the bridge's collector."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """One engine the bridge follows, and how the node is announced in the directory."""
+    """One engine the bridge follows, and how the node is announced in the directory.
+
+    ``events`` is the engine's PUB endpoint, which the bridge connects to (vLLM binds
+    ``tcp://*:P``), or ``COLLECTOR``: the engine's PUB connects to the endpoint the bridge binds
+    (vLLM given ``tcp://kvgate:P``), its messages told apart by ``topic`` (default
+    ``kv@<address>@<model>``, also matched as ``kv@<host>@<model>``). A collector-fed node cannot
+    be followed per connection, so its liveness is left to the static fleet's health checks.
+    """
 
     node_id: str
     address: str  # "ip:port" of its OpenAI-compatible server (what Envoy routes to)
-    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557"
+    events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557", or COLLECTOR
     replay: str | None = None  # ZMQ ROUTER replay endpoint; None = gaps cannot be repaired
     transfer: str = ""  # "ip:port" of its KV transfer agent
     capacity: int = 0  # KV cache size in blocks (0 = unknown)
-    topic: str = ""  # ZMQ topic prefix to subscribe to ("" = all)
+    topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
+    model: str = ""  # the base model it serves ("" = the bridge's)
+
+    @property
+    def collected(self) -> bool:
+        return self.events == COLLECTOR
 
     def node_info(self, model: str) -> NodeInfo:
         return NodeInfo(
@@ -180,15 +204,22 @@ class EngineSpec:
             address=self.address,
             transfer_endpoint=self.transfer,
             capacity_blocks=self.capacity,
-            model=model,
+            model=self.model or model,
         )
 
+    def collector_topics(self, model: str) -> list[str]:
+        if self.topic:
+            return [self.topic]
+        model = self.model or model
+        host = self.address.rsplit(":", 1)[0]
+        return [f"kv@{self.address}@{model}", f"kv@{host}@{model}"]
 
-_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic"}
+
+_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic", "model"}
 
 
 def parse_engine_spec(text: str) -> EngineSpec:
-    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557[,replay=…][,transfer=…][,capacity=N][,topic=…]``."""
+    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557|collector[,replay=…][,transfer=…][,capacity=N][,topic=…][,model=…]``."""
     values: dict[str, str] = {}
     for part in text.split(","):
         part = part.strip()
@@ -223,6 +254,7 @@ def parse_engine_spec(text: str) -> EngineSpec:
         transfer=values.get("transfer", ""),
         capacity=capacity,
         topic=values.get("topic", ""),
+        model=values.get("model", ""),
     )
 
 
@@ -234,14 +266,9 @@ class BlockMapOverflow(Exception):
     """More blocks than ``max_blocks``: the engine is not announcing its evictions."""
 
 
-class _Held:
-    """One engine block: its kvgate key and a bitmask of the tiers (``1 << Tier``) holding it."""
-
-    __slots__ = ("key", "tiers")
-
-    def __init__(self, key: BlockKey) -> None:
-        self.key = key
-        self.tiers = 0
+_TIER_BITS = 3  # an engine block is one int: its kvgate key << 3 | bitmask of tiers (1 << Tier) holding it
+_COUNT_BITS = 32  # a key's holders are one int: a 32-bit holder count per tier
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,10 +316,11 @@ class NodeBlockMap:
         self._model = model
         self._block_size = block_size
         self._max_blocks = max_blocks
-        self._by_hash: dict[int, _Held] = {}
-        self._holders: dict[BlockKey, list[int]] = {}  # key -> holder count per tier
+        # plain ints, not objects: ~200 B a tracked block instead of ~310 (bench: workers/bridge_memory.py)
+        self._by_hash: dict[int, int] = {}  # engine hash (+ group) -> key << 3 | tiers
+        self._holders: dict[int, int] = {}  # key -> holder count per tier, packed
         self._seeds: dict[str | None, int] = {}  # unsalted seed per LoRA name
-        self._touched: dict[BlockKey, int] = {}  # key -> its tier mask at the last take_changes
+        self._touched: dict[int, int] = {}  # key -> its tier mask at the last take_changes
         self.cleared = False  # the directory must clear the node before the next changes
 
     def __len__(self) -> int:
@@ -355,13 +383,13 @@ class NodeBlockMap:
         out: dict[Tier, list[BlockKey]] = {}
         for key, counts in self._holders.items():
             for tier in _TIERS:
-                if counts[tier]:
-                    out.setdefault(tier, []).append(key)
+                if counts >> (tier * _COUNT_BITS) & _COUNT_MASK:
+                    out.setdefault(tier, []).append(BlockKey(key))
         return out
 
     def key_of(self, engine_hash: int, group_idx: int | None = None) -> BlockKey | None:
         held = self._by_hash.get(_slot(engine_hash, group_idx))
-        return None if held is None else held.key
+        return None if held is None else BlockKey(held >> _TIER_BITS)
 
     def apply(self, event: KVEvent) -> tuple[str, int] | None:
         """Apply one event; returns ``(reason, blocks)`` when stored blocks had to be dropped.
@@ -404,23 +432,24 @@ class NodeBlockMap:
             parent = self._by_hash.get(_slot(ev.parent_block_hash, ev.group_idx))
             if parent is None:
                 return ("unknown_parent", n)
-            parent_key = parent.key
+            parent_key = parent >> _TIER_BITS
         tokens = ev.token_ids if keyable == n else ev.token_ids[: keyable * self._block_size]
         keys = block_keys(tokens, block_size=self._block_size, seed=self._seed(ev.lora_name, salt), parent=parent_key)
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
+        by_hash = self._by_hash
         for engine_hash, key in zip(ev.block_hashes, keys):
             slot = _slot(engine_hash, ev.group_idx)
-            held = self._by_hash.get(slot)
-            if held is not None and held.key != key:
+            held = by_hash.get(slot)
+            if held is not None and held >> _TIER_BITS != key:
                 self._forget(slot, held)  # same engine hash, other tokens: the engine reused it
                 held = None
             if held is None:
-                if len(self._by_hash) >= self._max_blocks:
+                if len(by_hash) >= self._max_blocks:
                     raise BlockMapOverflow(f"more than {self._max_blocks} blocks tracked")
-                held = self._by_hash[slot] = _Held(key)
-            if not held.tiers & bit:
-                held.tiers |= bit
+                held = key << _TIER_BITS
+            if not held & bit:
+                by_hash[slot] = held | bit
                 self._count(key, tier, +1)
         return None if keyable == n else ("extra_keys", n - keyable)
 
@@ -431,12 +460,13 @@ class NodeBlockMap:
         bit = 1 << tier
         unknown = 0
         for engine_hash in ev.block_hashes:
-            held = self._by_hash.get(_slot(engine_hash, ev.group_idx))
+            slot = _slot(engine_hash, ev.group_idx)
+            held = self._by_hash.get(slot)
             if held is None:
                 unknown += 1
-            elif not held.tiers & bit:
-                held.tiers |= bit
-                self._count(held.key, tier, +1)
+            elif not held & bit:
+                self._by_hash[slot] = held | bit
+                self._count(held >> _TIER_BITS, tier, +1)
         return ("no_tokens", unknown) if unknown else None
 
     def _removed(self, ev: BlockRemoved) -> None:
@@ -445,27 +475,29 @@ class NodeBlockMap:
         for engine_hash in ev.block_hashes:
             slot = _slot(engine_hash, ev.group_idx)
             held = self._by_hash.get(slot)
-            if held is None or not held.tiers & bit:
+            if held is None or not held & bit:
                 continue  # never announced to us (or already gone): nothing to undo
-            held.tiers &= ~bit
-            self._count(held.key, tier, -1)
-            if not held.tiers:
+            held &= ~bit
+            self._count(held >> _TIER_BITS, tier, -1)
+            if held & _TIERS_MASK:
+                self._by_hash[slot] = held
+            else:
                 del self._by_hash[slot]
 
-    def _forget(self, slot: int, held: _Held) -> None:
+    def _forget(self, slot: int, held: int) -> None:
         for tier in _TIERS:
-            if held.tiers & (1 << tier):
-                self._count(held.key, tier, -1)
+            if held & (1 << tier):
+                self._count(held >> _TIER_BITS, tier, -1)
         del self._by_hash[slot]
 
-    def _count(self, key: BlockKey, tier: Tier, delta: int) -> None:
-        counts = self._holders.get(key)
-        if counts is None:
-            counts = self._holders[key] = [0, 0, 0]
+    def _count(self, key: int, tier: Tier, delta: int) -> None:
+        counts = self._holders.get(key, 0)
         if key not in self._touched:
             self._touched[key] = _mask(counts)
-        counts[tier] += delta
-        if not any(counts):
+        counts += delta << (tier * _COUNT_BITS)
+        if counts:
+            self._holders[key] = counts
+        else:
             del self._holders[key]
 
 
@@ -508,10 +540,18 @@ def _slot(engine_hash: int, group_idx: int | None) -> int:
     return engine_hash | ((group_idx or 0) << 64)
 
 
-def _mask(counts: list[int] | None) -> int:
-    if counts is None:
+_TIERS_MASK = (1 << len(_TIERS)) - 1
+
+
+def _mask(counts: int | None) -> int:
+    """Bitmask of the tiers a key has at least one holder in."""
+    if not counts:
         return 0
-    return (counts[0] > 0) | (counts[1] > 0) << 1 | (counts[2] > 0) << 2
+    return (
+        (counts & _COUNT_MASK > 0)
+        | (counts >> _COUNT_BITS & _COUNT_MASK > 0) << 1
+        | (counts >> 2 * _COUNT_BITS & _COUNT_MASK > 0) << 2
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,6 +638,7 @@ class KVEventBridge:
         engine_timeout_s: float = 3.0,
         max_batch_bytes: int = 16 << 20,
         replay_retry_s: float = 30.0,
+        collector: str | None = None,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -606,6 +647,8 @@ class KVEventBridge:
             raise ValueError(f"engine node_ids must be unique: {ids}")
         if block_size <= 0:
             raise ValueError("block_size must be positive")
+        if max_blocks_per_node is not None and max_blocks_per_node <= 0:
+            raise ValueError("max_blocks_per_node must be positive")
         self._directory = directory
         self._model = model
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -623,9 +666,25 @@ class KVEventBridge:
         self._max_batch_bytes = max_batch_bytes
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
-            cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else 4_000_000)
-            blocks = NodeBlockMap(model=model, block_size=block_size, max_blocks=cap)
+            cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else DEFAULT_MAX_BLOCKS_PER_NODE)
+            blocks = NodeBlockMap(model=spec.model or model, block_size=block_size, max_blocks=cap)
             self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
+        self._collector = collector
+        self._routes: dict[bytes, _Stream] = {}  # collector topic -> stream
+        ambiguous: set[bytes] = set()
+        for st in self._streams.values():
+            if not st.spec.collected:
+                continue
+            if collector is None:
+                raise ValueError(f"engine {st.spec.node_id} sends its events to a collector, but none is configured")
+            for topic in (t.encode() for t in st.spec.collector_topics(model)):
+                if topic in self._routes and self._routes[topic] is not st:
+                    ambiguous.add(topic)  # e.g. two engines on one host, both topics host-only
+                self._routes[topic] = st
+        for topic in ambiguous:
+            del self._routes[topic]
+        self._unknown_topics: set[bytes] = set()
+        self._collector_task: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._closed = False
 
@@ -636,9 +695,17 @@ class KVEventBridge:
         if self._ctx is not None:
             raise RuntimeError("bridge already started")
         self._ctx = zmq.asyncio.Context()
+        if self._routes:
+            sock = self._ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 100_000)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.bind(self._collector)  # a taken port fails the start, loudly
+            self._collector_task = asyncio.create_task(self._collect(sock), name="kv-bridge-collector")
         for st in self._streams.values():
             node = st.spec.node_id
-            st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
+            if not st.spec.collected:
+                st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
             st.flusher = asyncio.create_task(self._flush_loop(st), name=f"kv-bridge-flush-{node}")
             st.heartbeat = asyncio.create_task(self._heartbeat_loop(st), name=f"kv-bridge-heartbeat-{node}")
 
@@ -658,6 +725,8 @@ class KVEventBridge:
             return  # never started: nothing was registered or written
         # stop taking events and heartbeating first, then write what is left, then leave
         first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat) if t is not None]
+        if self._collector_task is not None:
+            first.append(self._collector_task)
         for task in first:
             task.cancel()
         await _settle(first)
@@ -693,6 +762,9 @@ class KVEventBridge:
     @property
     def node_ids(self) -> list[str]:
         return list(self._streams)
+
+    def spec(self, node_id: str) -> EngineSpec:
+        return self._streams[node_id].spec
 
     def stats(self, node_id: str) -> NodeStats:
         st = self._streams[node_id]
@@ -764,23 +836,7 @@ class KVEventBridge:
     async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             log.info("node %s: connected to %s", st.spec.node_id, st.spec.events)
-            # events may have been lost while we were not connected: rebuild the map from the
-            # engine's history, then rewrite the node from it. Never clear it first: what the
-            # directory holds may still be true (another bridge wrote it, or we did before a
-            # dropped socket), and a history that no longer reaches seq 0 cannot prove otherwise.
-            RESETS.labels(st.spec.node_id, "connect").inc()
-            st.resets += 1
-            st.blocks.forget()
-            st.authoritative = False
-            st.expected = None
-            st.last_live = None
-            st.engine_block_size = None  # the engine may have been restarted with other settings
-            self._recover(st, "block_size")
-            await self._catch_up(st)
-            st.rewrite_all = True
-            st.dirty.set()
-            st.connected = True  # registration follows the catch-up: no stale entries go live first
-            st.liveness_changed.set()
+            await self._connected(st)
         elif event["event"] == zmq.EVENT_DISCONNECTED:
             log.warning("node %s: lost %s; heartbeats stop", st.spec.node_id, st.spec.events)
             st.connected = False
@@ -788,6 +844,54 @@ class KVEventBridge:
             st.registered = False
             st.expected = None
             st.liveness_changed.set()
+
+    async def _connected(self, st: _Stream, live_seq: int | None = None) -> None:
+        """Events may have been lost while we were not connected: rebuild the map from the
+        engine's history, then rewrite the node from it. Never clear it first: what the directory
+        holds may still be true (another bridge wrote it, or we did before a dropped socket), and
+        a history that no longer reaches seq 0 cannot prove otherwise."""
+        RESETS.labels(st.spec.node_id, "connect").inc()
+        st.resets += 1
+        st.blocks.forget()
+        st.authoritative = False
+        st.expected = None
+        st.last_live = None
+        st.engine_block_size = None  # the engine may have been restarted with other settings
+        self._recover(st, "block_size")
+        await self._catch_up(st, live_seq=live_seq)
+        st.rewrite_all = True
+        st.dirty.set()
+        st.connected = True  # registration follows the catch-up: no stale entries go live first
+        st.liveness_changed.set()
+
+    async def _collect(self, sock: zmq.asyncio.Socket) -> None:
+        """Engines whose PUB connects to us: one bound SUB, messages routed by topic."""
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                st = self._routes.get(frames[0]) if len(frames) == 3 else None
+                if st is None:
+                    UNKNOWN_TOPICS.inc()
+                    if len(self._unknown_topics) < 64 and frames[0] not in self._unknown_topics:
+                        self._unknown_topics.add(frames[0])
+                        log.warning("collector: ignoring messages of topic %r (no configured node)", frames[0][:200])
+                    continue
+                try:
+                    if not st.connected:  # its first message since we started: catch up first
+                        try:
+                            live = decode_seq(frames[1])
+                        except KVEventDecodeError:
+                            live = None
+                        log.info("node %s: events arriving at the collector", st.spec.node_id)
+                        await self._connected(st, live_seq=live)
+                    await self._on_message(st, frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug must not stop every collected node's events
+                    log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
+                    self._count_malformed(st)
+        finally:
+            sock.close(linger=0)
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
         if not st.connected:
@@ -1106,17 +1210,20 @@ class KVEventBridge:
             if st.connected:
                 try:
                     await self._hold_lease(st)
-                    if st.writer and st.registered:
-                        try:
-                            await self._directory.heartbeat(st.spec.node_id)
-                        except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
-                            st.registered = False
-                            st.rewrite_all = True
-                            st.dirty.set()
-                    if st.writer and not st.registered:
-                        await self._directory.register_node(st.info)
-                        st.registered = True
-                        st.withdraw = False
+                    # a collected node's liveness is the static fleet's health checks: we cannot
+                    # see its socket, so we only write its entries
+                    if st.writer and not st.spec.collected:
+                        if st.registered:
+                            try:
+                                await self._directory.heartbeat(st.spec.node_id)
+                            except UnknownNode:  # forgotten (e.g. a Redis restart): announce it again
+                                st.registered = False
+                                st.rewrite_all = True
+                                st.dirty.set()
+                        if not st.registered:
+                            await self._directory.register_node(st.info)
+                            st.registered = True
+                            st.withdraw = False
                 except Exception as exc:
                     if not isinstance(exc, DirectoryUnavailable):
                         log.exception("node %s: registration failed", st.spec.node_id)

@@ -50,8 +50,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="append",
         required=True,
         metavar="SPEC",
-        help="node_id=n1,address=IP:PORT,events=tcp://IP:PORT[,replay=tcp://IP:PORT][,transfer=IP:PORT]"
-        "[,capacity=BLOCKS][,topic=PREFIX]; repeat for each engine",
+        help="node_id=n1,address=IP:PORT,events=tcp://IP:PORT|collector[,replay=tcp://IP:PORT][,transfer=IP:PORT]"
+        "[,capacity=BLOCKS][,topic=PREFIX][,model=NAME]; repeat for each engine",
+    )
+    parser.add_argument(
+        "--max-blocks-per-node",
+        type=int,
+        default=None,
+        help="engine blocks tracked per node (~210 B each); past it the node is cleared and rebuilt "
+        "(default: 8x the engine's capacity= if given, else 1000000)",
+    )
+    parser.add_argument(
+        "--collector",
+        default=None,
+        metavar="ENDPOINT",
+        help="bind this ZMQ endpoint (e.g. tcp://0.0.0.0:5557) for engines whose PUB connects to us "
+        "(their spec says events=collector; told apart by topic kv@<address>@<model>)",
     )
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--metrics-host", default="127.0.0.1")
@@ -83,15 +97,21 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
         except ValueError as exc:
             log.error("%s", exc)
             return 2
-        bridge = KVEventBridge(
-            directory,
-            args.engine,
-            model=args.model,
-            block_size=args.block_size,
-            heartbeat_interval_s=interval,
-            replay_timeout_s=args.replay_timeout,
-            engine_timeout_s=args.engine_timeout,
-        )
+        try:
+            bridge = KVEventBridge(
+                directory,
+                args.engine,
+                model=args.model,
+                block_size=args.block_size,
+                heartbeat_interval_s=interval,
+                replay_timeout_s=args.replay_timeout,
+                engine_timeout_s=args.engine_timeout,
+                collector=args.collector,
+                max_blocks_per_node=args.max_blocks_per_node,
+            )
+        except ValueError as exc:
+            log.error("%s", exc)
+            return 2
         await bridge.start()
         log.info(
             "following %d engine(s): %s", len(args.engine), ", ".join(f"{e.node_id}@{e.events}" for e in args.engine)

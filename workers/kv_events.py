@@ -343,7 +343,9 @@ def encode_batch(
 class KVEventPublisher:
     """ZMQ PUB of KV-event batches with sequence numbers and a replay ROUTER, as vLLM publishes.
 
-    The publisher *binds* both endpoints (engines are the stable side; bridges connect).
+    The publisher binds both endpoints (engines are the stable side; bridges connect), or, with
+    ``connect=True``, connects its PUB to a collector that binds (what vLLM does for any endpoint
+    that is not a wildcard, ipc or inproc); the replay ROUTER always binds, as in vLLM.
 
     Thread-safety: ``publish`` may be called from any thread; one lock orders sequence numbers,
     the PUB send and the replay buffer, and nothing in it blocks (PUB never blocks: at its
@@ -364,6 +366,7 @@ class KVEventPublisher:
         buffer_batches: int = 10_000,
         wire_format: WireFormat = "map",
         replay_form: ReplayForm = "topic",
+        connect: bool = False,
     ) -> None:
         if wire_format not in ("map", "array"):
             raise ValueError(f"wire_format must be 'map' or 'array', not {wire_format!r}")
@@ -386,7 +389,10 @@ class KVEventPublisher:
         self._replay: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         try:
-            self._pub.bind(endpoint)
+            if connect:  # vLLM given tcp://host:P: the PUB connects to a collector there
+                self._pub.connect(endpoint)
+            else:
+                self._pub.bind(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 # a replay answers up to buffer_batches messages at once: never drop any of them
@@ -396,7 +402,7 @@ class KVEventPublisher:
         except Exception:
             self._close_sockets()
             raise
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.endpoint = endpoint if connect else self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = (
             self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay is not None else None
         )

@@ -40,6 +40,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replay-endpoint", default=None, help="ZMQ ROUTER endpoint for KV-event replay")
     parser.add_argument("--events-topic", default="", help="topic frame of KV-event messages (default: empty)")
     parser.add_argument(
+        "--events-connect",
+        action="store_true",
+        help="connect the PUB socket to --events-endpoint (a collector kvgate binds) instead of binding it",
+    )
+    parser.add_argument(
         "--replay-buffer", type=int, default=10_000, help="KV-event batches kept for replay (vLLM: 10000)"
     )
     parser.add_argument("--node-id", default=None, help="node id in x-kvgate-node (default: host:port)")
@@ -135,7 +140,7 @@ async def _serve(args: argparse.Namespace) -> None:
 
         events = EventPublisher(
             args.events_endpoint, replay_endpoint=args.replay_endpoint, topic=args.events_topic,
-            buffer_batches=args.replay_buffer,
+            buffer_batches=args.replay_buffer, connect=args.events_connect,
         )  # fmt: skip
     engine = Engine(config, tokenizer, events)
     runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)

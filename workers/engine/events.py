@@ -42,9 +42,17 @@ class EventPublisher:
     """Publishes each non-empty step's records as one ``EventBatch``; counts what it sent."""
 
     def __init__(
-        self, endpoint: str, *, replay_endpoint: str | None = None, topic: str = "", buffer_batches: int = 10_000
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_batches: int = 10_000,
+        connect: bool = False,
     ) -> None:
-        self._pub = KVEventPublisher(endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_batches=buffer_batches)
+        self._pub = KVEventPublisher(
+            endpoint, replay_endpoint=replay_endpoint, topic=topic, buffer_batches=buffer_batches, connect=connect
+        )
         self.endpoint = self._pub.endpoint
         self.replay_endpoint = self._pub.replay_endpoint
         self.batches = 0
