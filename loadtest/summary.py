@@ -61,11 +61,17 @@ def summarize(
     overall = _pcts_ms(ttfts)
 
     by_turn: dict[int, list[float]] = defaultdict(list)
+    turn_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # prompt, cached
     for r in ok:
         if r.ttft_s is not None:
             by_turn[r.turn].append(r.ttft_s)
+        turn_tokens[r.turn][0] += r.prompt_tokens
+        turn_tokens[r.turn][1] += r.cached_tokens
     turn_stats = {
-        str(t): {"requests": len(v), **{f"ttft_{k}_ms": x for k, x in _pcts_ms(v).items()}}
+        str(t): {
+            "requests": len(v), **{f"ttft_{k}_ms": x for k, x in _pcts_ms(v).items()},
+            "hit_rate": turn_tokens[t][1] / turn_tokens[t][0] if turn_tokens[t][0] else 0.0,
+        }
         for t, v in sorted(by_turn.items())
     }
 
