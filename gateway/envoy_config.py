@@ -63,6 +63,7 @@ class EnvoySettings:
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
     retries: int = 2  # per request, on connect failure / reset / refused stream (0 = off)
     health_check_interval_ms: int = 1000  # active health checks of nodes and kvgate replicas (0 = off)
+    observe_responses: bool = False  # ext_proc: send kvgate the response headers (it ejects nodes answering 5xx)
 
     def ext_proc_endpoints(self) -> tuple[str, ...]:
         return tuple(self.ext_proc_addresses) or (self.ext_proc_address,)
@@ -195,7 +196,7 @@ def _http_filters(s: EnvoySettings) -> list[dict]:
                     "message_timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                     "processing_mode": {
                         "request_header_mode": "SEND",
-                        "response_header_mode": "SKIP",
+                        "response_header_mode": "SEND" if s.observe_responses else "SKIP",
                         "request_body_mode": "BUFFERED",
                         "response_body_mode": "NONE",
                         "request_trailer_mode": "SKIP",
@@ -345,6 +346,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ext-proc", default=None, help="kvgate ext_proc host:port (default: from the config)")
     parser.add_argument("--ext-authz", default=None, help="kvgate ext_authz host:port (default: from the config)")
     parser.add_argument("--message-timeout-ms", type=int, default=200)
+    parser.add_argument(
+        "--observe-responses", action="store_true",
+        help="ext_proc: send kvgate each answer's headers, so it stops choosing nodes that answer 5xx (~0.2 ms CPU a request)",
+    )
     parser.add_argument("-o", "--output", help="write here instead of stdout")
 
 
@@ -364,6 +369,7 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
         admin_address=args.admin,
         max_body_bytes=cfg.limits.max_body_bytes,
         message_timeout_ms=args.message_timeout_ms,
+        observe_responses=args.observe_responses,
     )
 
 

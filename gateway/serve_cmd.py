@@ -38,6 +38,7 @@ from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
 from gateway.policy import make_policy
 from gateway.profile import load_profile
+from gateway.node_health import NodeHealth
 from gateway.trusted_fleet import TrustedDirectory, TrustedFleet
 from tokenizer import PromptTokenizer
 
@@ -151,14 +152,16 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     decision_log = DecisionLog(cfg.admin.decision_log_size) if cfg.admin.debug else None
     tracing = start_tracing(cfg)
     discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
+    health = NodeHealth()  # fed by ext_proc when Envoy sends response headers
     core = RoutingCore(
-        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery)), policy, load_profile(cfg.policy.profile), limits_from_config(cfg),
+        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery), health), policy,
+        load_profile(cfg.policy.profile), limits_from_config(cfg),
         decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None,
     )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
-    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
+    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health) if cfg.ext_proc_enabled else None
     authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None

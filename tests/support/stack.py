@@ -39,9 +39,13 @@ def keys_of(tok: PromptTokenizer, path: str, body: dict) -> list[int]:
 
 class Stack:
     def __init__(
-        self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc"
+        self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc",
+        *, failing: dict[str, int] | None = None, envoy_options: dict | None = None,
     ) -> None:
+        """``failing``: node → the status it answers every request with; ``envoy_options``: more
+        ``EnvoySettings`` fields."""
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
+        self.failing, self.envoy_options = failing or {}, envoy_options or {}
         self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
         try:
             self._start(envoy_bin, integration)
@@ -54,7 +58,7 @@ class Stack:
         self.node_ports = {n: free_port() for n in NODES}
         self.echos = {}
         for n, p in self.node_ports.items():
-            self.echos[n] = self._started(start_echo(n, p, tmp))
+            self.echos[n] = self._started(start_echo(n, p, tmp, fail_status=self.failing.get(n, 0)))
         self.ext_proc_port, self.admin_port, self.listen_port = free_port(), free_port(), free_port()
         self.ext_authz_port = free_port()
         self.config = {
@@ -84,6 +88,7 @@ class Stack:
                 admin_address=f"127.0.0.1:{free_port()}",
                 max_body_bytes=256 << 10,
                 message_timeout_ms=2000,
+                **self.envoy_options,
             ),
             tmp,
         ))
