@@ -63,6 +63,7 @@ class EnvoySettings:
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
     retries: int = 2  # per request, on connect failure / reset / refused stream (0 = off)
     health_check_interval_ms: int = 1000  # active health checks of nodes and kvgate replicas (0 = off)
+    ext_authz_token: str = ""  # sent with every ext_authz check (x-kvgate-authz-token); kvgate's ext_authz_token_file
     observe_responses: bool = False  # ext_proc: send kvgate the response headers (it ejects nodes answering 5xx)
 
     def ext_proc_endpoints(self) -> tuple[str, ...]:
@@ -166,7 +167,11 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
                     "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                 },
                 "path_prefix": "/kvgate/authz",
-                "authorization_request": {"allowed_headers": exact("x-request-id", "content-type", "traceparent")},
+                "authorization_request": {
+                    "allowed_headers": exact("x-request-id", "content-type", "traceparent"),
+                    **({"headers_to_add": [{"key": "x-kvgate-authz-token", "value": s.ext_authz_token}]}
+                       if s.ext_authz_token else {}),
+                },
                 "authorization_response": {
                     "allowed_upstream_headers": exact(*KVGATE_HEADERS),
                     "allowed_client_headers": exact("content-type"),
@@ -370,6 +375,7 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
         max_body_bytes=cfg.limits.max_body_bytes,
         message_timeout_ms=args.message_timeout_ms,
         observe_responses=args.observe_responses,
+        ext_authz_token=cfg.ext_authz_token(),
     )
 
 

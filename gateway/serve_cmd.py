@@ -162,7 +162,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
     grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health) if cfg.ext_proc_enabled else None
-    authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
+    authz = ExtAuthzService(core, caller_token=cfg.ext_authz_token()) if cfg.ext_authz_port is not None else None
+    if authz is not None and not authz.caller_token:
+        log.warning("ext_authz_token_file is not set: anyone reaching the ext_authz port learns which node holds a prompt")
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:
