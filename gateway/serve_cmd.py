@@ -144,6 +144,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         tls_ca_file=cfg.directory.tls_ca_file,
         tls_cert_file=cfg.directory.tls_cert_file,
         tls_key_file=cfg.directory.tls_key_file,
+        shard_timeout_s=cfg.directory.lookup_timeout_ms / 1000 * 0.8,  # a slow shard leaves time for the others
     )
     policy = make_policy(
         cfg.policy.name,
