@@ -42,14 +42,14 @@ import httptools
 from prometheus_client import Counter
 
 from gateway.core import RouteResult, RoutingCore, error_body
-from gateway.envoy_config import INFERENCE_PATHS
+from gateway.envoy_config import CALLER_TOKEN_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 from gateway.metrics import REGISTRY
 
 log = logging.getLogger("kvgate.ext_authz")
 
 AUTHZ_PATH_PREFIX = "/kvgate/authz"
-CALLER_TOKEN_HEADER = b"x-kvgate-authz-token"
+CALLER_TOKEN = CALLER_TOKEN_HEADER.encode()
 UNAUTHENTICATED = Counter(
     "kvgate_ext_authz_unauthenticated",
     "ext_authz checks without Envoy's caller token, passed through unrouted",
@@ -277,7 +277,7 @@ class _Connection(asyncio.Protocol):
             self._request_id = self._request_id or value  # the first one, as aiohttp's get()
         elif name == b"traceparent":
             self._traceparent = self._traceparent or value
-        elif name == CALLER_TOKEN_HEADER:
+        elif name == CALLER_TOKEN:
             self._caller_token = value
         elif name == b"expect":  # curl asks before sending a body over 1 MB, then waits 1 s
             self._expect_continue = value.lower() == b"100-continue"

@@ -432,10 +432,10 @@ class KvgateConfig(BaseSettings):
     ext_authz_port: Port | None = Field(
         None, description="serve the same decision over HTTP for Envoy's ext_authz filter on this port; unset = off"
     )
-    ext_authz_token_file: str | None = Field(
+    caller_token_file: str | None = Field(
         None,
-        description="file holding the token Envoy sends with each ext_authz check (x-kvgate-authz-token); "
-        "checks without it are passed through unrouted. Unset: any caller of the port is answered",
+        description="file holding the token Envoy sends with each ext_proc stream and ext_authz check "
+        "(x-kvgate-authz-token); calls without it are passed through unrouted. Unset: any caller is answered",
     )
     models: list[str] = Field(default_factory=list, description="served model names; empty = accept any model")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must equal the engines' block size")
@@ -513,16 +513,16 @@ class KvgateConfig(BaseSettings):
     def node_model(self, node: NodeConfig) -> str:
         return node.model or (self.models[0] if self.models else "")
 
-    def ext_authz_token(self) -> str:
-        """Envoy's caller token for ext_authz checks, read now ("" when none is configured)."""
-        if not self.ext_authz_token_file:
+    def caller_token(self) -> str:
+        """Envoy's token for ext_proc streams and ext_authz checks, read now ("" when none is configured)."""
+        if not self.caller_token_file:
             return ""
         try:
-            token = Path(self.ext_authz_token_file).expanduser().read_text().strip()
+            token = Path(self.caller_token_file).expanduser().read_text().strip()
         except OSError as e:
-            raise ConfigError(f"ext_authz_token_file {self.ext_authz_token_file!r}: {e.strerror or e}") from None
+            raise ConfigError(f"caller_token_file {self.caller_token_file!r}: {e.strerror or e}") from None
         if len(token) < 16:
-            raise ConfigError(f"ext_authz_token_file {self.ext_authz_token_file!r}: the token needs at least 16 characters")
+            raise ConfigError(f"caller_token_file {self.caller_token_file!r}: the token needs at least 16 characters")
         return token
 
 

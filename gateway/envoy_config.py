@@ -33,6 +33,7 @@ PULL_SOURCE_HEADER = "x-kv-cache-source-host-port"
 PULL_BLOCKS_HEADER = "x-kv-cache-pull-blocks"
 KVGATE_HEADERS = (DESTINATION_HEADER, PULL_SOURCE_HEADER, PULL_BLOCKS_HEADER)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
+CALLER_TOKEN_HEADER = "x-kvgate-authz-token"  # Envoy → kvgate: this call is Envoy's (gRPC metadata or HTTP header)
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -63,7 +64,7 @@ class EnvoySettings:
     lb_policy: str = "LEAST_REQUEST"  # of the fallback cluster: LEAST_REQUEST or ROUND_ROBIN
     retries: int = 2  # per request, on connect failure / reset / refused stream (0 = off)
     health_check_interval_ms: int = 1000  # active health checks of nodes and kvgate replicas (0 = off)
-    ext_authz_token: str = ""  # sent with every ext_authz check (x-kvgate-authz-token); kvgate's ext_authz_token_file
+    caller_token: str = ""  # sent to kvgate with every ext_proc stream / ext_authz check (kvgate's caller_token_file)
     observe_responses: bool = False  # ext_proc: send kvgate the response headers (it ejects nodes answering 5xx)
 
     def ext_proc_endpoints(self) -> tuple[str, ...]:
@@ -169,8 +170,8 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
                 "path_prefix": "/kvgate/authz",
                 "authorization_request": {
                     "allowed_headers": exact("x-request-id", "content-type", "traceparent"),
-                    **({"headers_to_add": [{"key": "x-kvgate-authz-token", "value": s.ext_authz_token}]}
-                       if s.ext_authz_token else {}),
+                    **({"headers_to_add": [{"key": CALLER_TOKEN_HEADER, "value": s.caller_token}]}
+                       if s.caller_token else {}),
                 },
                 "authorization_response": {
                     "allowed_upstream_headers": exact(*KVGATE_HEADERS),
@@ -196,7 +197,12 @@ def _http_filters(s: EnvoySettings) -> list[dict]:
                 "name": "envoy.filters.http.ext_proc",
                 "typed_config": {
                     "@type": _EXT_PROC,
-                    "grpc_service": {"envoy_grpc": {"cluster_name": "kvgate_ext_proc"}, "timeout": "5s"},
+                    "grpc_service": {
+                        "envoy_grpc": {"cluster_name": "kvgate_ext_proc"},
+                        "timeout": "5s",
+                        **({"initial_metadata": [{"key": CALLER_TOKEN_HEADER, "value": s.caller_token}]}
+                           if s.caller_token else {}),
+                    },
                     "failure_mode_allow": True,
                     "message_timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                     "processing_mode": {
@@ -375,7 +381,7 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
         max_body_bytes=cfg.limits.max_body_bytes,
         message_timeout_ms=args.message_timeout_ms,
         observe_responses=args.observe_responses,
-        ext_authz_token=cfg.ext_authz_token(),
+        caller_token=cfg.caller_token(),
     )
 
 

@@ -162,10 +162,13 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
-    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health) if cfg.ext_proc_enabled else None
-    authz = ExtAuthzService(core, caller_token=cfg.ext_authz_token()) if cfg.ext_authz_port is not None else None
-    if authz is not None and not authz.caller_token:
-        log.warning("ext_authz_token_file is not set: anyone reaching the ext_authz port learns which node holds a prompt")
+    caller_token = cfg.caller_token()
+    authz = ExtAuthzService(core, caller_token=caller_token) if cfg.ext_authz_port is not None else None
+    if not caller_token:
+        log.warning("caller_token_file is not set: anyone reaching the ext_proc/ext_authz ports learns which node holds a prompt")
+    grpc_server = None
+    if cfg.ext_proc_enabled:
+        grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health, caller_token=caller_token)
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:

@@ -40,12 +40,13 @@ def keys_of(tok: PromptTokenizer, path: str, body: dict) -> list[int]:
 class Stack:
     def __init__(
         self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc",
-        *, failing: dict[str, int] | None = None, envoy_options: dict | None = None,
+        *, failing: dict[str, int] | None = None, envoy_options: dict | None = None, kvgate_options: dict | None = None,
     ) -> None:
         """``failing``: node → the status it answers every request with; ``envoy_options``: more
-        ``EnvoySettings`` fields."""
+        ``EnvoySettings`` fields; ``kvgate_options``: more kvgate config."""
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
         self.failing, self.envoy_options = failing or {}, envoy_options or {}
+        self.kvgate_options = kvgate_options or {}
         self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
         try:
             self._start(envoy_bin, integration)
@@ -75,6 +76,7 @@ class Stack:
             },
             "fleet": [{"node_id": n, "address": self.addr(n)} for n in NODES],
             "limits": {"max_body_bytes": 256 << 10},
+            **self.kvgate_options,
         }
         self.kvgate = self._started(start_kvgate(self.config, tmp))
         self.envoy = self._started(start_envoy(
