@@ -22,6 +22,7 @@ def open_directory(
     tls_ca_file: str = "",
     tls_cert_file: str = "",
     tls_key_file: str = "",
+    shard_timeout_s: float | None = None,
     **kw: Any,
 ) -> Directory:
     """A directory for ``url``; nothing connects until the first call.
@@ -32,7 +33,8 @@ def open_directory(
     mid-request cannot leave a node looking busy), ``dead_node_retention_s`` (how long a dead
     node's blocks are kept in case it comes back), ``live_cache_s`` (cluster only), ``clock``
     (memory only). ``tls_*``: PEM files for ``rediss://`` (the CA to verify the server; a client
-    certificate and key when the server requires one).
+    certificate and key when the server requires one). ``shard_timeout_s`` (cluster only; other
+    backends ignore it): how long a lookup waits for one shard before leaving its nodes out.
     """
     stride = DEFAULT_INDEX_STRIDE if index_stride is None else index_stride
     scheme = urlsplit(url).scheme
@@ -47,7 +49,7 @@ def open_directory(
     if scheme in ("redis", "rediss", "unix"):
         return RedisDirectory.from_url(url, **common, **kw)
     if scheme in ("redis+cluster", "rediss+cluster"):
-        return RedisClusterDirectory.from_url(url, **common, **kw)
+        return RedisClusterDirectory.from_url(url, **common, shard_timeout_s=shard_timeout_s, **kw)
     raise ValueError(f"unknown directory URL {url!r}: use memory://, redis://host:port/db or redis+cluster://host:port,…")
 
 

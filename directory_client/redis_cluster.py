@@ -8,10 +8,18 @@ Which nodes to ask comes from the registry (its own slot). Reading it on every l
 a round trip, so the id list is cached for ``live_cache_s`` (default 1 s). Staleness is one-sided:
 a node registered by another client shows up at most ``live_cache_s`` late, but a dead node never
 shows: each per-node script checks the node's own heartbeat deadline and answers nil when it passed.
+
+A lookup must not fail because one shard does: the per-node scripts are sent as one pipeline per
+shard, each bounded by ``shard_timeout_s`` (set it below the request's lookup budget). A shard
+that fails or is too slow leaves its nodes out of the view (``kvgate_directory_shard_failures_total``)
+and is skipped for ``SHARD_RETRY_S``; only when every shard fails does the lookup. If the
+registry's own shard fails, the last known node list is used.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -20,7 +28,16 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
+from prometheus_client import Counter
+
 from directory_client.redis_base import RedisDirectoryBase
+from directory_client.types import DirectoryUnavailable
+
+log = logging.getLogger(__name__)
+SHARD_RETRY_S = 1.0  # a failed shard is not asked again for this long
+SHARD_FAILURES = Counter(
+    "kvgate_directory_shard_failures", "Redis Cluster shards that failed or timed out in a lookup (their nodes left out)"
+)
 
 
 def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
@@ -53,10 +70,13 @@ class RedisClusterDirectory(RedisDirectoryBase):
 
     backend_name = "redis-cluster"
 
-    def __init__(self, client: Any, *, live_cache_s: float = 1.0, **kw: Any) -> None:
+    def __init__(self, client: Any, *, live_cache_s: float = 1.0, shard_timeout_s: float | None = None, **kw: Any) -> None:
+        """``shard_timeout_s``: how long a lookup waits for one shard (default: the op timeout)."""
         super().__init__(client, **kw)
         if live_cache_s < 0:
             raise ValueError(f"live_cache_s must be >= 0, got {live_cache_s!r}")
+        self.shard_timeout_s = min(shard_timeout_s or self.op_timeout_s, self.op_timeout_s)
+        self._shard_down_until: dict[str, float] = {}
         self.live_cache_s = live_cache_s
         self._live_ids: list[str] = []
         self._live_ids_at = float("-inf")
@@ -83,16 +103,44 @@ class RedisClusterDirectory(RedisDirectoryBase):
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
         now = time.monotonic()
         if now - self._live_ids_at >= self.live_cache_s:
-            self._live_ids = await self._registry_ids()
-            self._live_ids_at = now
+            try:
+                self._live_ids = await self._registry_ids()
+                self._live_ids_at = now
+            except DirectoryUnavailable:
+                if self._live_ids_at == float("-inf"):
+                    raise
+                log.warning("registry shard failed: looking up the last known %d nodes", len(self._live_ids))
         ids = self._live_ids
         if not ids:
             return []
         sha = self._scripts["lookup_node"].sha
-        commands = []
+        by_shard: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
         for nid in ids:
             nk = self._keys(nid)
-            commands.append(("EVALSHA", sha, 4, nk.meta, nk.blocks, nk.load, nk.resv, blob))
+            shard = self._client.get_node_from_key(nk.meta)
+            name = shard.name if shard is not None else ""
+            by_shard.setdefault(name, []).append((nid, ("EVALSHA", sha, 4, nk.meta, nk.blocks, nk.load, nk.resv, blob)))
+        asked = {name: rows for name, rows in by_shard.items() if self._shard_down_until.get(name, 0.0) <= now}
         async with self._io("lookup"):
-            replies = await self._pipeline(commands)
-        return [(nid, r) for nid, r in zip(ids, replies) if r is not None]
+            results = await asyncio.gather(*(self._ask_shard(rows) for rows in asked.values()), return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException) and not isinstance(r, Exception):
+                    raise r
+            if asked and all(isinstance(r, Exception) for r in results):
+                raise next(r for r in results if isinstance(r, Exception))
+        if not asked:
+            raise DirectoryUnavailable(f"{self.backend_name} directory: lookup: every shard failed within {SHARD_RETRY_S} s")
+        out: list[tuple[str, Any]] = []
+        for (name, rows), result in zip(asked.items(), results):
+            if isinstance(result, Exception):
+                SHARD_FAILURES.inc()
+                self._shard_down_until[name] = time.monotonic() + SHARD_RETRY_S
+                log.warning("directory shard %s failed (%r): its %d nodes are left out of lookups", name, result, len(rows))
+                continue
+            out.extend((nid, r) for (nid, _), r in zip(rows, result) if r is not None)
+        out.sort(key=lambda row: row[0])  # the view's order: by node id
+        return out
+
+    async def _ask_shard(self, rows: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
+        async with asyncio.timeout(self.shard_timeout_s):
+            return await self._pipeline([cmd for _, cmd in rows])

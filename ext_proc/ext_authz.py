@@ -30,6 +30,7 @@ its load back at once.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from collections import deque
 from dataclasses import dataclass
@@ -38,14 +39,22 @@ from typing import cast
 from urllib.parse import unquote
 
 import httptools
+from prometheus_client import Counter
 
 from gateway.core import RouteResult, RoutingCore, error_body
-from gateway.envoy_config import INFERENCE_PATHS
+from gateway.envoy_config import CALLER_TOKEN_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
+from gateway.metrics import REGISTRY
 
 log = logging.getLogger("kvgate.ext_authz")
 
 AUTHZ_PATH_PREFIX = "/kvgate/authz"
+CALLER_TOKEN = CALLER_TOKEN_HEADER.encode()
+UNAUTHENTICATED = Counter(
+    "kvgate_ext_authz_unauthenticated",
+    "ext_authz checks without Envoy's caller token, passed through unrouted",
+    registry=REGISTRY,
+)
 BODY_SLACK = 1 << 20  # bodies up to max_body_bytes + this reach the core, which answers its own 413
 PIPELINE_DEPTH = 8  # complete requests waiting on one connection before we stop reading it
 LINGER_S = 2.0  # after a last answer (413, 400), how long unread input is drained before closing
@@ -88,10 +97,17 @@ def _decision_path(url: bytes) -> str | None:
 
 
 class ExtAuthzService:
-    """The ext_authz check server: ``start`` listens, ``aclose`` stops."""
+    """The ext_authz check server: ``start`` listens, ``aclose`` stops.
 
-    def __init__(self, core: RoutingCore) -> None:
+    ``caller_token``: the token Envoy sends with every check (``x-kvgate-authz-token``, added by
+    the rendered filter). A check without it is answered 200 with nothing routed: anyone else
+    reaching the port would learn which node holds a prompt, under any tenant's ``cache_salt``.
+    """
+
+    def __init__(self, core: RoutingCore, *, caller_token: str = "") -> None:
         self.core = core
+        self.caller_token = caller_token.encode()
+        self.warned = False
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
         self._sweeper: asyncio.Task | None = None
@@ -150,6 +166,7 @@ class _Request:
     traceparent: str
     connection: bytes  # the ``connection`` header line the answer carries (b"": none)
     keep_alive: bool
+    caller_token: bytes  # the x-kvgate-authz-token it came with
 
 
 class _Connection(asyncio.Protocol):
@@ -183,6 +200,7 @@ class _Connection(asyncio.Protocol):
         self._request_id = b""
         self._traceparent = b""
         self._expect_continue = False
+        self._caller_token = b""
         self._chunks: list[bytes] = []
         self._size = 0
 
@@ -245,7 +263,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._began = self._loop.time()
-        self._url = self._request_id = self._traceparent = b""
+        self._url = self._request_id = self._traceparent = self._caller_token = b""
         self._expect_continue = False
         self._chunks = []
         self._size = 0
@@ -259,6 +277,8 @@ class _Connection(asyncio.Protocol):
             self._request_id = self._request_id or value  # the first one, as aiohttp's get()
         elif name == b"traceparent":
             self._traceparent = self._traceparent or value
+        elif name == CALLER_TOKEN:
+            self._caller_token = value
         elif name == b"expect":  # curl asks before sending a body over 1 MB, then waits 1 s
             self._expect_continue = value.lower() == b"100-continue"
 
@@ -303,6 +323,7 @@ class _Connection(asyncio.Protocol):
                 self._traceparent.decode("latin-1"),
                 connection,
                 keep_alive,
+                self._caller_token,
             )
         )
         self._chunks = []
@@ -371,6 +392,13 @@ class _Connection(asyncio.Protocol):
     async def _answer(self, req: _Request) -> bytes:
         if req.path is None:
             return _http_response(404, _PLAIN + req.connection, b"not an ext_authz check path")
+        expected = self.service.caller_token
+        if expected and not hmac.compare_digest(req.caller_token, expected):
+            UNAUTHENTICATED.inc()
+            if not self.service.warned:
+                self.service.warned = True
+                log.warning("ext_authz check without Envoy's caller token: passed through unrouted (counted from now on)")
+            return _http_response(200, req.connection)
         try:
             result = await self.service.check(req.method, req.path, req.body, req.request_id, req.traceparent)
             if result is None or result.kind not in ("routed", "rejected"):  # pass through, fail open

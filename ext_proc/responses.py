@@ -10,12 +10,18 @@ HEADERS_CONTINUE = pb.ProcessingResponse(request_headers=pb.HeadersResponse()).S
 
 HEADERS_CONTINUE_NO_BODY = pb.ProcessingResponse(
     request_headers=pb.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.NONE),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    ),
 ).SerializeToString()
-"""Not an inference request: pass it through untouched and do not send us its body."""
+"""Not an inference request: pass it through untouched; send us neither its body nor its answer."""
 
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 """Body seen, no change: Envoy's fallback route balances it (fail open)."""
+
+RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+"""The node's response headers seen (EnvoySettings.observe_responses), no change."""
 
 EMPTY = pb.ProcessingResponse().SerializeToString()
 

@@ -17,6 +17,7 @@ and registers a generic handler with no response serializer (it writes bytes).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import grpc
@@ -24,16 +25,24 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
+from prometheus_client import Counter
 
 from ext_proc import responses
 from gateway import metrics
 from gateway.core import RouteResult, RoutingCore, error_body
-from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
+from gateway.envoy_config import CALLER_TOKEN_HEADER, DESTINATION_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
+from gateway.node_health import NodeHealth
 
 log = logging.getLogger("kvgate.ext_proc")
 
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+CALLER_TOKEN_METADATA = CALLER_TOKEN_HEADER
+UNAUTHENTICATED = Counter(
+    "kvgate_ext_proc_unauthenticated",
+    "ext_proc streams without Envoy's caller token, passed through unrouted",
+    registry=metrics.REGISTRY,
+)
 MESSAGE_SLACK = 1 << 20  # a message may exceed the body limit by this (headers, framing)
 
 
@@ -65,17 +74,27 @@ def immediate_response(status: int, body: bytes) -> bytes:
 class ExtProcService:
     """The ``Process`` bidi stream; stateless across streams."""
 
-    def __init__(self, core: RoutingCore) -> None:
+    def __init__(self, core: RoutingCore, health: NodeHealth | None = None, caller_token: str = "") -> None:
         self.core = core
+        self.health = health
+        self.caller_token = caller_token
+        self.observing = False  # Envoy sends response headers (seen once): a stream without them was reset
 
     async def process(self, _request_iterator, context: grpc.aio.ServicerContext) -> None:
         result: RouteResult | None = None
         end = "ok"
+        seen_status = False
         try:
             result = await self._exchange(context)
-            # Wait for Envoy to close the stream: that is the end of the HTTP exchange.
-            while await context.read() is not grpc.aio.EOF:
-                await context.write(responses.EMPTY)
+            # Wait for Envoy to close the stream: that is the end of the HTTP exchange. With
+            # response headers sent (EnvoySettings.observe_responses) the node's answer is seen.
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                if msg.HasField("response_headers"):
+                    seen_status = self.observing = True
+                    self._outcome(result, _header_map(msg.response_headers).get(":status", ""))
+                    await context.write(responses.RESPONSE_HEADERS_CONTINUE)
+                else:
+                    await context.write(responses.EMPTY)
         except asyncio.CancelledError:
             end = "cancelled"
             raise
@@ -84,9 +103,23 @@ class ExtProcService:
             log.exception("ext_proc stream failed")
         finally:
             metrics.EXT_PROC_STREAMS.labels(end).inc()
+            if end == "ok" and result is not None and self.health is not None and self.observing and not seen_status:
+                self._outcome(result, "reset")  # routed, but no answer ever came back
             if result is not None:
                 # Shielded: the release must happen even when Envoy cancels the stream.
                 await asyncio.shield(self.core.release(result))
+
+    def _from_envoy(self, context: grpc.aio.ServicerContext) -> bool:
+        given = next((v for k, v in context.invocation_metadata() or () if k == CALLER_TOKEN_METADATA), "")
+        return hmac.compare_digest(given.encode() if isinstance(given, str) else given, self.caller_token.encode())
+
+    def _outcome(self, result: RouteResult | None, status: str) -> None:
+        """Count a routed request's answer for its node (5xx and resets are failures)."""
+        if self.health is None or result is None or result.kind != "routed" or result.decision is None:
+            return
+        node = result.decision.node
+        if node is not None:
+            self.health.record(node.node_id, status.isdigit() and int(status) < 500)
 
     async def _exchange(self, context: grpc.aio.ServicerContext) -> RouteResult | None:
         msg = await context.read()
@@ -100,6 +133,10 @@ class ExtProcService:
         REQUEST_ID.set(request_id)  # this stream's task only: every log line of it carries the ID
         path = headers.get(":path", "").split("?", 1)[0]
         if headers.get(":method") != "POST" or path not in INFERENCE_PATHS:
+            await context.write(responses.HEADERS_CONTINUE_NO_BODY)
+            return None
+        if self.caller_token and not self._from_envoy(context):  # else: an oracle of who holds which prompt
+            UNAUTHENTICATED.inc()
             await context.write(responses.HEADERS_CONTINUE_NO_BODY)
             return None
         if msg.request_headers.end_of_stream:
@@ -138,9 +175,13 @@ class ExtProcService:
         return result
 
 
-def build_server(core: RoutingCore, address: str) -> grpc.aio.Server:
-    """A grpc.aio server with the ext_proc service bound to ``address`` (host:port)."""
-    service = ExtProcService(core)
+def build_server(
+    core: RoutingCore, address: str, health: NodeHealth | None = None, *, caller_token: str = ""
+) -> grpc.aio.Server:
+    """A grpc.aio server with the ext_proc service bound to ``address`` (host:port); ``health``
+    counts the nodes' answers when Envoy sends the response headers; ``caller_token``: streams
+    without it in their metadata are passed through unrouted."""
+    service = ExtProcService(core, health, caller_token)
     max_message = core.limits.max_body_bytes + MESSAGE_SLACK  # one message never carries more than a body
     handler = grpc.method_handlers_generic_handler(
         SERVICE,

@@ -3,7 +3,8 @@
 - ``GET /debug/decisions?limit=N`` — the last N decisions, newest first, each with every
   candidate's estimated cost and the reason (``gateway.decision_log``);
 - ``POST /debug/explain[?path=/v1/completions]`` — the body of an inference request in, what
-  kvgate would do with it now out; nothing is reserved, counted, logged or traced;
+  kvgate would do with it now out; nothing is reserved, counted, logged or traced; a body with a
+  ``cache_salt`` gets 403 (the answer would say who holds another tenant's prompt);
 - ``GET /debug/nodes`` — every node with its load and cached blocks (``gateway.fleet_status``);
 - ``GET /debug/timeline`` — per-second outcome counts and token totals of recent traffic;
 - ``GET /dashboard`` — the live page over the endpoints above (``gateway.dashboard``).
@@ -79,6 +80,12 @@ class DebugApi:
         path = request.query.get("path") or _guess_path(body)
         if path not in INFERENCE_PATHS:
             return web.json_response({"error": f"path must be one of {sorted(INFERENCE_PATHS)}"}, status=400)
+        if _salted(body):
+            return web.json_response(
+                {"error": "explain does not answer for a prompt with a cache_salt: it would tell which node holds "
+                          "another tenant's prompt"},
+                status=403,
+            )  # fmt: skip
         result = await self._core.explain(path, body)
         return web.json_response({"path": path, "would_route": result.kind == "routed", **describe(result)})
 
@@ -87,6 +94,15 @@ class DebugApi:
 
     async def timeline(self, _: web.Request) -> web.Response:
         return web.json_response({"seconds": self._decisions.timeline()})
+
+
+def _salted(body: bytes) -> bool:
+    """Does the body carry a ``cache_salt`` (whose cache is a tenant's own business)?"""
+    try:
+        doc = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(doc, dict) and doc.get("cache_salt") is not None
 
 
 def _guess_path(body: bytes) -> str:

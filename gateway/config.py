@@ -441,6 +441,11 @@ class KvgateConfig(BaseSettings):
     ext_authz_port: Port | None = Field(
         None, description="serve the same decision over HTTP for Envoy's ext_authz filter on this port; unset = off"
     )
+    caller_token_file: str | None = Field(
+        None,
+        description="file holding the token Envoy sends with each ext_proc stream and ext_authz check "
+        "(x-kvgate-authz-token); calls without it are passed through unrouted. Unset: any caller is answered",
+    )
     models: list[str] = Field(default_factory=list, description="served model names; empty = accept any model")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per KV block: must equal the engines' block size")
     lora_adapters: dict[str, str] = Field(
@@ -552,6 +557,18 @@ class KvgateConfig(BaseSettings):
 
     def node_model(self, node: NodeConfig) -> str:
         return node.model or (self.models[0] if self.models else "")
+
+    def caller_token(self) -> str:
+        """Envoy's token for ext_proc streams and ext_authz checks, read now ("" when none is configured)."""
+        if not self.caller_token_file:
+            return ""
+        try:
+            token = Path(self.caller_token_file).expanduser().read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"caller_token_file {self.caller_token_file!r}: {e.strerror or e}") from None
+        if len(token) < 16:
+            raise ConfigError(f"caller_token_file {self.caller_token_file!r}: the token needs at least 16 characters")
+        return token
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> KvgateConfig:

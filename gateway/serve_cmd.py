@@ -39,6 +39,7 @@ from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
 from gateway.policy import make_policy
 from gateway.profile import load_profile
+from gateway.node_health import NodeHealth
 from gateway.trusted_fleet import TrustedDirectory, TrustedFleet
 from tokenizer import PromptTokenizer
 
@@ -163,6 +164,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         tls_ca_file=cfg.directory.tls_ca_file,
         tls_cert_file=cfg.directory.tls_cert_file,
         tls_key_file=cfg.directory.tls_key_file,
+        shard_timeout_s=cfg.directory.lookup_timeout_ms / 1000 * 0.8,  # a slow shard leaves time for the others
     )
     policy = make_policy(
         cfg.policy.name,
@@ -174,16 +176,22 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         tokenizer, worker=cfg.tokenizer.background_worker, max_pending=cfg.tokenizer.background_queue
     )
     discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
+    health = NodeHealth()  # fed by ext_proc when Envoy sends response headers
     core = RoutingCore(
-        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery)), policy,
+        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery), health), policy,
         load_profile(cfg.policy.profile), limits_from_config(cfg),
         decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None, background=background,
     )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
-    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
-    authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
+    caller_token = cfg.caller_token()
+    authz = ExtAuthzService(core, caller_token=caller_token) if cfg.ext_authz_port is not None else None
+    if not caller_token:
+        log.warning("caller_token_file is not set: anyone reaching the ext_proc/ext_authz ports learns which node holds a prompt")
+    grpc_server = None
+    if cfg.ext_proc_enabled:
+        grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health, caller_token=caller_token)
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:

@@ -23,6 +23,7 @@ from prometheus_client import Counter
 
 from directory_client.types import Directory, DirectoryView
 from gateway.metrics import REGISTRY
+from gateway.node_health import NodeHealth
 
 log = logging.getLogger("kvgate.trusted_fleet")
 REFRESH_S = 1.0  # discovered nodes are read again at most this often (discovery itself lags seconds)
@@ -79,14 +80,17 @@ class TrustedFleet:
 
 
 class TrustedDirectory:
-    """A ``Directory`` whose lookups show only the nodes of a ``TrustedFleet``; all else delegates."""
+    """A ``Directory`` whose lookups show only the nodes of a ``TrustedFleet`` that are not ejected
+    for failing (``NodeHealth``); all else delegates."""
 
-    def __init__(self, directory: Directory, fleet: TrustedFleet) -> None:
+    def __init__(self, directory: Directory, fleet: TrustedFleet, health: NodeHealth | None = None) -> None:
         self._directory = directory
         self._fleet = fleet
+        self._health = health
 
     async def lookup(self, keys: np.ndarray) -> DirectoryView:
-        return self._fleet.vet(await self._directory.lookup(keys))
+        view = self._fleet.vet(await self._directory.lookup(keys))
+        return view if self._health is None else self._health.vet(view)
 
     def __getattr__(self, name: str):
         return getattr(self._directory, name)

@@ -134,6 +134,7 @@ class LocalFleet:
                 "--profile", o.profile, "--time-scale", str(o.time_scale), "--node-id", w.node_id,
                 "--events-endpoint", f"tcp://127.0.0.1:{w.events_port}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{w.replay_port}",
+                "--debug-headers",  # the client attributes answers to nodes
                 *(["--kv-blocks", str(o.kv_blocks)] if o.kv_blocks else []),
                 *o.extra_worker_args,
             ]

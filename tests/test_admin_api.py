@@ -200,3 +200,13 @@ def test_debug_endpoints_are_absent_unless_enabled(tmp_path) -> None:
 def get_json_auth(url: str) -> tuple[int, dict]:
     status, _, raw = request(url, headers=AUTH)
     return status, json.loads(raw)
+
+
+def test_explain_does_not_answer_for_a_salted_prompt(gw: Gateway) -> None:
+    """Issue 15, item 2: ``cache_salt`` keeps one tenant's cache out of another's reach, but
+    /debug/explain told anyone with the admin token which node holds how many blocks of a prompt
+    under any salt. What the caller gets now: 403 and no node, no block count."""
+    body = {**chat("tenant secret"), "cache_salt": "tenant-a-salt"}
+    status, got = post_json(gw.url("/debug/explain"), body, headers=AUTH)
+    assert status == 403 and "cache_salt" in got["error"]
+    assert "chosen" not in got and "candidates" not in got

@@ -45,7 +45,7 @@ async def start_engine(tokenizer: PromptTokenizer) -> AsyncIterator[Callable[...
     servers: list[TestServer] = []
 
     async def start(events: EventPublisher | None = None, **overrides: Any) -> tuple[str, Engine]:
-        cfg = dict(model=MODEL, profile=load_profile("llama-3.1-8b-h100"), node_id="node-a", time_scale=0.01)
+        cfg = dict(model=MODEL, profile=load_profile("llama-3.1-8b-h100"), node_id="node-a", time_scale=0.01, debug_headers=True)
         cfg.update(overrides)
         engine = Engine(EngineConfig(**cfg), tokenizer, events)
         server = TestServer(create_app(engine), host="127.0.0.1", port=free_port())
@@ -291,7 +291,7 @@ def test_kvgate_worker_cli_serves_as_a_real_process(tmp_path: Path) -> None:
     log = open(tmp_path / "worker.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "gateway.cli", "worker", "--port", str(port), "--model", "cli-model",
-         "--time-scale", "0.01", "--kv-blocks", "64", "--node-id", "cli-node"],
+         "--time-scale", "0.01", "--kv-blocks", "64", "--node-id", "cli-node", "--debug-headers"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     try:
@@ -329,3 +329,17 @@ def test_worker_cli_rejects_bad_arguments_clearly() -> None:
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )
     assert out.returncode == 1 and "no hardware profile" in out.stderr
+
+
+async def test_internal_headers_reach_nobody_unless_asked_for(start_engine) -> None:
+    """Issue 15, item 14: the simulated engine told every client its node id, its cache hit and
+    its pull outcome in ``x-kvgate-*`` headers. Now a client sees none of them unless the worker
+    runs with ``--debug-headers`` (benchmarks and tests that attribute answers to nodes)."""
+    import aiohttp
+
+    body = {"model": MODEL, "prompt": list(range(1000, 1040)), "max_tokens": 3}
+    for debug, expect in ((False, set()), (True, {NODE_HEADER, CACHED_HEADER})):
+        base, _ = await start_engine(debug_headers=debug)
+        async with aiohttp.ClientSession() as s, s.post(f"{base}/v1/completions", json=body) as r:
+            assert r.status == 200
+            assert {k.lower() for k in r.headers if k.lower().startswith("x-kvgate-")} == expect

@@ -106,3 +106,51 @@ def test_redis_older_than_7_is_refused_with_a_clear_error() -> None:
     check_server_version({"redis_version": "7.0.15"})
     with pytest.raises(Exception, match="Redis >= 7"):
         check_server_version({"redis_version": "6.2.14"})
+
+
+async def test_one_stalled_cluster_shard_does_not_fail_the_lookup_within_its_budget() -> None:
+    """Issue 15, item 14: on Redis Cluster a lookup asks every shard at once, and one stalled
+    shard failed the whole lookup (the request failed open). What a request gets now: the nodes on
+    the healthy shards, within ``shard_timeout_s``; the stalled shard's nodes are left out
+    (``kvgate_directory_shard_failures_total``) and the lookup fails only if every shard does."""
+    from redis.crc import key_slot
+
+    from directory_client.redis_base import NodeKeys
+    from tests.redis_servers import redis_cluster
+    from tests.test_directory_outage import slots_of
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="shards", op_timeout_s=1.0, live_cache_s=0.0, shard_timeout_s=0.05)
+        try:
+            owners = {s.port: slots_of(s.port) for s in servers}
+            nodes: dict[int, str] = {}  # one node per shard
+            for i in range(200):
+                slot = key_slot(NodeKeys("shards", f"n{i}").meta.encode())
+                port = next(p for p, slots in owners.items() if slot in slots)
+                nodes.setdefault(port, f"n{i}")
+            registry_port = next(p for p, slots in owners.items() if key_slot(b"{shards}:registry") in slots)
+            deadline = time.monotonic() + 15
+            for node_id in nodes.values():
+                while True:  # a new cluster may still say "cluster down" for a moment
+                    try:
+                        await d.register_node(NodeInfo(node_id, f"10.0.0.{len(node_id)}:8000"))
+                        await d.record_stored(node_id, KEYS, Tier.GPU)
+                        break
+                    except DirectoryUnavailable:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.2)
+            stalled = next(s for s in servers if s.port != registry_port)
+            before = gauge("kvgate_directory_shard_failures_total") or 0.0
+            os.kill(stalled.proc.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                view = await asyncio.wait_for(d.lookup(KEYS), 0.5)  # a request's lookup budget
+                took = time.monotonic() - started
+            finally:
+                os.kill(stalled.proc.pid, signal.SIGCONT)
+            assert {nv.node.node_id for nv in view.nodes} == {n for p, n in nodes.items() if p != stalled.port}
+            assert all(nv.cached_blocks == len(KEYS) for nv in view.nodes)
+            assert took < 0.3
+            assert gauge("kvgate_directory_shard_failures_total") >= before + 1
+        finally:
+            await d.aclose()

@@ -178,3 +178,65 @@ async def test_the_admin_port_refuses_an_endless_header_early(directory) -> None
         writer.close()
     finally:
         await runner.cleanup()
+
+
+async def test_an_ext_authz_check_without_envoys_token_is_passed_through_unrouted(core, directory, monkeypatch) -> None:
+    """Issue 15, item 2: whoever reaches the ext_authz port could ask, for any prompt and any
+    tenant's ``cache_salt``, which node holds it (the destination and pull-block headers). With
+    a caller token configured, a check without it gets a bare 200 (nothing routed, nothing
+    revealed, ``kvgate_ext_authz_unauthenticated_total``); Envoy's checks carry the token."""
+    token = "envoy-caller-token-0123456789"
+    svc = ext_authz.ExtAuthzService(core, caller_token=token)
+    port = free_port()
+    await svc.start("127.0.0.1", port, max_body_bytes=MAX_BODY)
+    before = REGISTRY.get_sample_value("kvgate_ext_authz_unauthenticated_total") or 0.0
+    try:
+        for headers in ("", "x-kvgate-authz-token: guessed\r\n"):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post(chat(), headers=headers))
+            resp = await read_response(r)
+            assert resp is not None and resp.status == 200 and DESTINATION_HEADER not in resp.headers
+            w.close()
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(post(chat(), headers=f"x-kvgate-authz-token: {token}\r\n"))
+        resp = await read_response(r)
+        assert resp is not None and resp.headers[DESTINATION_HEADER] == NODES["b"]
+        w.close()
+    finally:
+        await svc.aclose()
+    assert REGISTRY.get_sample_value("kvgate_ext_authz_unauthenticated_total") == before + 2
+
+
+async def test_an_ext_proc_stream_without_envoys_token_is_passed_through_unrouted(core) -> None:
+    """The same oracle over the ext_proc port: a stream without the caller token (gRPC metadata
+    the rendered filter adds) is let through without routing headers (``kvgate_ext_proc_unauthenticated_total``)."""
+    from ext_proc.server import CALLER_TOKEN_METADATA
+
+    token = "envoy-caller-token-0123456789"
+    port = free_port()
+    server = build_server(core, f"127.0.0.1:{port}", caller_token=token)
+    await server.start()
+    before = REGISTRY.get_sample_value("kvgate_ext_proc_unauthenticated_total") or 0.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for metadata, routed in (((), False), (((CALLER_TOKEN_METADATA, "guess"),), False),
+                                     (((CALLER_TOKEN_METADATA, token),), True)):  # fmt: skip
+                call = channel.stream_stream(
+                    "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                    request_serializer=lambda b: b, response_deserializer=pb.ProcessingResponse.FromString,
+                )(metadata=metadata)
+                await call.write(_headers_msg(CHAT))
+                first = await call.read()
+                if routed:
+                    body = pb.ProcessingRequest(request_body=pb.HttpBody(body=chat(), end_of_stream=True))
+                    await call.write(body.SerializeToString())
+                    answer = await call.read()
+                    keys = [h.header.key for h in answer.request_body.response.header_mutation.set_headers]
+                    assert DESTINATION_HEADER in keys
+                else:  # told not to send the body: nothing is decided, nothing revealed
+                    assert first.HasField("mode_override") and first.HasField("request_headers")
+                    assert not first.request_headers.response.header_mutation.set_headers
+                await call.done_writing()
+    finally:
+        await server.stop(None)
+    assert REGISTRY.get_sample_value("kvgate_ext_proc_unauthenticated_total") == before + 2

@@ -99,3 +99,26 @@ def test_a_node_registered_in_redis_by_someone_else_is_never_a_destination(stack
     finally:
         evil.stop()
         stack.directory_call(lambda d: d.deregister_node("evil"))
+
+
+@pytest.mark.parametrize("integration", ["ext_proc", "ext_authz"])
+def test_envoy_carries_the_caller_token_so_its_requests_are_still_routed(tmp_path, envoy_bin, redis_url, integration) -> None:
+    """With a caller token (issue 15, item 2) the rendered Envoy sends it on every ext_proc stream
+    (gRPC metadata) and ext_authz check (a header clients cannot set): requests through Envoy are
+    routed as before; a token header a client sends itself is not what kvgate checks."""
+    token = "envoy-caller-token-" + uuid.uuid4().hex
+    (tmp_path / "caller-token").write_text(token)
+    s = Stack(tmp_path, envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", integration,
+              envoy_options={"caller_token": token},
+              kvgate_options={"caller_token_file": str(tmp_path / "caller-token")})  # fmt: skip
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "Tell me about harbours. " * 20, "max_tokens": 4}).encode()
+        status, _, raw = request(s.url("/v1/completions"), method="POST", body=body,
+                                 headers={"content-type": "application/json", "x-kvgate-authz-token": "forged"})  # fmt: skip
+        assert status == 200, raw[:200]
+        seen = json.loads(raw)["headers"]
+        assert seen.get("x-gateway-destination-endpoint") in {s.addr(n) for n in s.node_ports}
+        metrics = request(f"http://127.0.0.1:{s.admin_port}/metrics")[2].decode()
+        assert f"kvgate_{integration}_unauthenticated_total 0.0" in metrics
+    finally:
+        s.stop()

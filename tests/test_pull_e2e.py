@@ -58,7 +58,7 @@ class PullStack:
                     "--time-scale", "1.0", "--events-endpoint", f"tcp://127.0.0.1:{p['events']}",
                     "--replay-endpoint", f"tcp://127.0.0.1:{p['replay']}", "--transfer-port", str(p["transfer"]),
                     "--transfer-link", "rdma", "--transfer-payload-bytes", str(PAYLOAD),
-                    "--transfer-secret-file", secret_file(tmp),
+                    "--transfer-secret-file", secret_file(tmp), "--debug-headers",
                     "--transfer-peers", ",".join(f"127.0.0.1:{q['transfer']}" for q in self.ports.values()),
                 ],
                 tmp,

@@ -24,7 +24,7 @@ class Worker:
         args = [
             "--port", str(self.port), "--model", MODEL, "--node-id", name, "--profile", PROFILE,
             "--time-scale", "0.01", "--kv-blocks", "512", "--transfer-port", str(self.transfer_port),
-            "--transfer-link", "rdma", "--transfer-secret-file", secret_file(tmp), *extra,
+            "--transfer-link", "rdma", "--transfer-secret-file", secret_file(tmp), "--debug-headers", *extra,
         ]
         self.proc: Proc = python_module(f"worker-{name}", "workers.engine", args, tmp)
         wait_for_port(self.port, proc=self.proc.popen, timeout_s=30)
@@ -153,7 +153,7 @@ def test_a_failed_pull_recomputes_and_is_counted(workers, seed, headers, reason)
 
 def test_a_worker_without_an_agent_ignores_pulls_and_says_so(tmp_path) -> None:
     port = free_port()
-    proc = python_module("plain", "workers.engine", ["--port", str(port), "--model", MODEL, "--time-scale", "0"], tmp_path)
+    proc = python_module("plain", "workers.engine", ["--port", str(port), "--model", MODEL, "--time-scale", "0", "--debug-headers"], tmp_path)
     try:
         wait_for_port(port, proc=proc.popen, timeout_s=30)
         status, hdrs, _ = request(

@@ -145,6 +145,7 @@ class ChaosFleet:
                 "--time-scale", str(self.time_scale),
                 "--events-endpoint", f"tcp://127.0.0.1:{w.events_port}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{w.replay_port}",
+                "--debug-headers",  # the load attributes answers to workers
             ],
             self.tmp,
         )  # fmt: skip

@@ -4,6 +4,7 @@ Run as ``python -m tests.support.echo_upstream --port P --name B [--delay S]``. 
 on a real socket; it does no inference (the simulated engine is tested elsewhere), so routing
 tests stay fast. ``--delay`` holds each request, standing in for a node whose queue matters:
 ``GET /_stats`` then also says how many it held at once (``peak``); ``POST /_reset`` zeroes counts.
+``--fail-status`` makes a broken node: every request answered with that status, health still 200.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import asyncio
 from aiohttp import web
 
 
-def build_app(name: str, delay_s: float) -> web.Application:
+def build_app(name: str, delay_s: float, fail_status: int = 0) -> web.Application:
     seen: list[dict] = []
     held = {"now": 0, "peak": 0}
 
@@ -35,6 +36,8 @@ def build_app(name: str, delay_s: float) -> web.Application:
                 await asyncio.sleep(delay_s)
         finally:
             held["now"] -= 1
+        if fail_status:  # a broken node: fails every request at once, yet passes its health check
+            return web.json_response({"error": "broken", **entry}, status=fail_status)
         return web.json_response(entry)
 
     async def health(_: web.Request) -> web.Response:
@@ -61,8 +64,9 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--delay", type=float, default=0.0)
+    p.add_argument("--fail-status", type=int, default=0, help="answer every request with this status (0: never)")
     a = p.parse_args()
-    web.run_app(build_app(a.name, a.delay), host="127.0.0.1", port=a.port, print=None, access_log=None)
+    web.run_app(build_app(a.name, a.delay, a.fail_status), host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

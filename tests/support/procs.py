@@ -65,10 +65,9 @@ def python_module(name: str, module: str, args: Sequence[str], log_dir: Path, en
     return Proc(name, [sys.executable, "-m", module, *args], log_dir, env)
 
 
-def start_echo(name: str, port: int, log_dir: Path, *, delay_s: float = 0.0) -> Proc:
-    p = python_module(
-        f"echo-{name}", "tests.support.echo_upstream", ["--port", str(port), "--name", name, "--delay", str(delay_s)], log_dir
-    )
+def start_echo(name: str, port: int, log_dir: Path, *, delay_s: float = 0.0, fail_status: int = 0) -> Proc:
+    args = ["--port", str(port), "--name", name, "--delay", str(delay_s), "--fail-status", str(fail_status)]
+    p = python_module(f"echo-{name}", "tests.support.echo_upstream", args, log_dir)
     wait_for_port(port, proc=p.popen)
     return p
 

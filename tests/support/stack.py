@@ -39,17 +39,16 @@ def keys_of(tok: PromptTokenizer, path: str, body: dict) -> list[int]:
 
 class Stack:
     def __init__(
-        self,
-        tmp: Path,
-        envoy_bin: str,
-        redis_url: str,
-        key_prefix: str,
-        integration: str = "ext_proc",
+        self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc",
+        *, failing: dict[str, int] | None = None, envoy_options: dict | None = None, kvgate_options: dict | None = None,
         **envoy_settings: object,  # EnvoySettings fields to change (limits under test)
     ) -> None:
+        """``failing``: node → the status it answers every request with; ``envoy_options``: more
+        ``EnvoySettings`` fields; ``kvgate_options``: more kvgate config."""
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
+        self.failing, self.envoy_options = failing or {}, {**(envoy_options or {}), **envoy_settings}
+        self.kvgate_options = kvgate_options or {}
         self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
-        self.envoy_settings = envoy_settings
         try:
             self._start(envoy_bin, integration)
         except BaseException:
@@ -61,7 +60,7 @@ class Stack:
         self.node_ports = {n: free_port() for n in NODES}
         self.echos = {}
         for n, p in self.node_ports.items():
-            self.echos[n] = self._started(start_echo(n, p, tmp))
+            self.echos[n] = self._started(start_echo(n, p, tmp, fail_status=self.failing.get(n, 0)))
         self.ext_proc_port, self.admin_port, self.listen_port = free_port(), free_port(), free_port()
         self.ext_authz_port = free_port()
         self.config = {
@@ -78,6 +77,7 @@ class Stack:
             },
             "fleet": [{"node_id": n, "address": self.addr(n)} for n in NODES],
             "limits": {"max_body_bytes": 256 << 10},
+            **self.kvgate_options,
         }
         self.kvgate = self._started(start_kvgate(self.config, tmp))
         self.envoy = self._started(start_envoy(
@@ -91,7 +91,7 @@ class Stack:
                 admin_address=f"127.0.0.1:{free_port()}",
                 max_body_bytes=256 << 10,
                 message_timeout_ms=2000,
-                **self.envoy_settings,  # type: ignore[arg-type]
+                **self.envoy_options,
             ),
             tmp,
         ))

@@ -71,6 +71,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="real bytes kept and moved per block, a scaled-down stand-in for its KV (default: 4096)",
     )
     parser.add_argument(
+        "--debug-headers", action="store_true",
+        help="answer with x-kvgate-node/-cached-tokens/-pull headers (benchmarks, tests); off: clients see none",
+    )
+    parser.add_argument(
         "--transfer-secret-file", default=None,
         help="file holding the fleet's transfer secret (>= 16 bytes; a Kubernetes Secret): required with --transfer-port",
     )
@@ -130,6 +134,7 @@ async def _serve(args: argparse.Namespace) -> None:
         transfer_link=args.transfer_link,
         transfer_payload_bytes=args.transfer_payload_bytes,
         pull_timeout_s=args.pull_timeout,
+        debug_headers=args.debug_headers,
         transfer_secret_file=args.transfer_secret_file or "",
         transfer_peers=tuple(p.strip() for p in args.transfer_peers.split(",") if p.strip()) if args.transfer_peers else None,
     )

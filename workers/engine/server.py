@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``str
 ``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /debug/blocks``,
 ``POST /debug/reset`` (alias ``POST /reset_prefix_cache``, vLLM's name).
 
-Every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
+With ``--debug-headers``, every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
 ``x-kvgate-cached-tokens`` (the prefix hit, also in ``usage.prompt_tokens_details``); a request
 that came with pull instructions also gets ``x-kvgate-pull`` (``ok``, ``none`` or
 ``failed:<reason>``) and ``x-kvgate-pulled-blocks`` (``workers.engine.pull``). A streamed
@@ -77,6 +77,7 @@ class EngineConfig:
     transfer_link: str = "tcp"  # link whose speed models a pull's time (the gateway's policy.link)
     transfer_payload_bytes: int = 4096  # real bytes kept per block (the full-size KV is modelled)
     pull_timeout_s: float = 5.0  # real seconds a pull may take before the request recomputes
+    debug_headers: bool = False  # answer with x-kvgate-* headers (node, cache hit, pull): benchmarks, tests
     transfer_secret_file: str = ""  # the fleet's transfer secret (required with transfer_port)
     transfer_peers: tuple[str, ...] | None = None  # transfer endpoints pulls may come from (None: any signed peer)
 
@@ -231,6 +232,8 @@ def _reply_ids(sim: SimRequest, n: int) -> Any:
 
 
 def _headers(engine: Engine, sim: SimRequest, pull: PullOutcome) -> dict[str, str]:
+    if not engine.config.debug_headers:  # internals are nobody's business but a benchmark's
+        return {}
     headers = {NODE_HEADER: engine.config.node_id, CACHED_HEADER: str(max(sim.cached_tokens, 0))}
     if pull.status != "absent":
         headers[PULL_HEADER] = f"failed:{pull.reason}" if pull.status == "failed" else pull.status
