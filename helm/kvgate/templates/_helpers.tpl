@@ -226,7 +226,7 @@ fails the pod with a sentence saying why otherwise.
       if hf download "$HF_MODEL" --revision "$HF_REVISION" --local-dir "$dir" \
            --include 'tokenizer*' --include special_tokens_map.json --include 'chat_template*' \
          && [ -f "$dir/tokenizer.json" ]; then
-        echo "tokenizer of $HF_MODEL@$HF_REVISION fetched into $dir"
+        echo "tokenizer of $HF_MODEL@$HF_REVISION ready in $dir"  # fetched, or kept if the Hub is unreachable
       elif [ -f "$dir/tokenizer.json" ]; then
         echo "could not reach the Hub: using the tokenizer already in $dir" >&2
       else
