@@ -53,6 +53,7 @@ _FIXED_HEAP = "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap
 _DOWNSTREAM_CONNS = (
     "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
@@ -80,6 +81,8 @@ class EnvoySettings:
     max_heap_bytes: int = 1 << 30  # the overload manager's heap limit (keep under the memory limit)
     max_requests_per_node: int = 256  # circuit breakers: the fleet's clusters allow this × fleet_size
     fleet_size: int = 0  # engines behind `fleet` (0 = its length; one DNS name may stand for many)
+    kvgate_tls_ca_file: str = ""  # set: Envoy speaks TLS to kvgate and verifies it against this CA
+    kvgate_tls_server_name: str = ""  # SNI and the DNS name its certificate must carry (default: the host)
 
     def max_upstream_requests(self) -> int:
         """Concurrent requests (and pending ones) a cluster of the fleet allows: Envoy's default
@@ -193,7 +196,7 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
             "@type": _EXT_AUTHZ,
             "http_service": {
                 "server_uri": {
-                    "uri": f"http://{s.ext_authz_address}",
+                    "uri": f"{'https' if s.kvgate_tls_ca_file else 'http'}://{s.ext_authz_address}",
                     "cluster": "kvgate_ext_authz",
                     "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                 },
@@ -270,6 +273,28 @@ def _health(s: EnvoySettings, check: dict) -> dict:
     }
 
 
+def _kvgate_tls(s: EnvoySettings, address: str, *, http2: bool) -> dict:
+    """TLS to kvgate's decision port, e.g. through a TLS-terminating sidecar (the chart's
+    ``gateway.tls``): the certificate must be signed by the CA and name ``server_name``."""
+    if not s.kvgate_tls_ca_file:
+        return {}
+    name = s.kvgate_tls_server_name or address.rpartition(":")[0].strip("[]")
+    context: dict = {
+        "validation_context": {
+            "trusted_ca": {"filename": s.kvgate_tls_ca_file},
+            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": name}}],
+        }
+    }
+    if http2:
+        context["alpn_protocols"] = ["h2"]
+    return {
+        "transport_socket": {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _UPSTREAM_TLS, "sni": name, "common_tls_context": context},
+        }
+    }
+
+
 def _circuit_breakers(s: EnvoySettings) -> dict:
     limit = s.max_upstream_requests()
     return {
@@ -333,6 +358,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                     "cluster_name": "kvgate_ext_authz",
                     "endpoints": _endpoints([s.ext_authz_address]),
                 },
+                **_kvgate_tls(s, s.ext_authz_address, http2=False),
             }
         )
     if s.integration == "ext_proc":
@@ -351,6 +377,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                     "cluster_name": "kvgate_ext_proc",
                     "endpoints": _endpoints(s.ext_proc_endpoints()),
                 },
+                **_kvgate_tls(s, s.ext_proc_endpoints()[0], http2=True),
                 **_health(s, {"tcp_health_check": {}}),
             }
         )
@@ -448,6 +475,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ext-proc", default=None, help="kvgate ext_proc host:port (default: from the config)")
     parser.add_argument("--ext-authz", default=None, help="kvgate ext_authz host:port (default: from the config)")
     parser.add_argument("--message-timeout-ms", type=int, default=200)
+    parser.add_argument("--fleet-size", type=int, default=0, help="engines behind --fleet, for circuit breakers (default: its length)")
+    parser.add_argument("--max-heap-mib", type=int, default=1024, help="Envoy's heap limit (overload manager), MiB")
+    parser.add_argument("--kvgate-tls-ca", default="", help="speak TLS to kvgate, verifying it with this CA file")
+    parser.add_argument("--kvgate-tls-server-name", default="", help="name kvgate's certificate carries (default: its host)")
     parser.add_argument("-o", "--output", help="write here instead of stdout")
 
 
@@ -467,6 +498,10 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
         admin_address=args.admin,
         max_body_bytes=cfg.limits.max_body_bytes,
         message_timeout_ms=args.message_timeout_ms,
+        fleet_size=args.fleet_size,
+        max_heap_bytes=args.max_heap_mib << 20,
+        kvgate_tls_ca_file=args.kvgate_tls_ca,
+        kvgate_tls_server_name=args.kvgate_tls_server_name,
     )
 
 

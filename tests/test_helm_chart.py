@@ -233,7 +233,9 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
     g = values.get("gateway", {})
     integration = g.get("integration", "ext_proc")
     port = g.get("extAuthzPort", 9004) if integration == "ext_authz" else g.get("extProcPort", 9002)
-    kvgate = f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local:{port}"
+    tls = g.get("tls", {}).get("enabled", False)
+    host = f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local"
+    kvgate = f"{host}:{g['tls'].get('port', 9443) if tls else port}"
     return EnvoySettings(
         fleet=fleet,
         integration=integration,
@@ -254,6 +256,8 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
         max_heap_bytes=e.get("maxHeapBytes", 768 << 20),
         max_requests_per_node=e.get("circuitBreakers", {}).get("maxRequestsPerEngine", 256),
         fleet_size=e.get("circuitBreakers", {}).get("engines", 0) or len(values.get("fleet", {}).get("static", [])) or 32,
+        kvgate_tls_ca_file="/var/run/kvgate-tls/ca.crt" if tls else "",
+        kvgate_tls_server_name=host if tls else "",
     )
 
 
@@ -271,6 +275,9 @@ PARITY = [
          "envoy": {"fallback": ["[fd00::11]:8000", "[fd00::12]:8000"], "retries": 3, "healthCheckIntervalMs": 2500}},
         ["[fd00::11]:8000", "[fd00::12]:8000"],
     ),
+    ({**VALUE_SETS["defaults"], "gateway": {"tls": {"enabled": True, "secretName": "kvgate-tls"}}}, ["vllm.llm.svc.cluster.local:8000"]),
+    ({**VALUE_SETS["ext-authz"], "gateway": {"integration": "ext_authz", "tls": {"enabled": True, "secretName": "t", "port": 9444}}},
+     ["vllm.llm.svc.cluster.local:8000"]),
 ]  # fmt: skip
 
 

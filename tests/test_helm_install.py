@@ -273,6 +273,30 @@ def test_engine_event_ports_admit_only_kvgate(chart: Any) -> None:
     assert transfer["from"] == [{"podSelector": {"matchLabels": {"app": "vllm"}}}]  # engines pull from engines
 
 
+def test_tls_on_the_decision_port_is_the_only_way_in(chart: Any) -> None:
+    """Gateways that speak TLS to an endpoint picker failed open against kvgate's plaintext h2c:
+    with gateway.tls, a sidecar terminates TLS and only its port is admitted.
+    (tests/test_helm_rendered_run.py routes through it with real Envoy.)"""
+    docs = render(chart, _with(gateway={"tls": {"enabled": True, "secretName": "kvgate-tls"}}))
+    _validate(docs)
+    pod = _pod(docs, "-gateway")
+    proxy = next(c for c in pod["containers"] if c["name"] == "tls-proxy")
+    assert {"name": "kvgate-tls", "containerPort": 9443, "protocol": "TCP"} in proxy["ports"]
+    assert {"name": "kvgate-tls", "secret": {"secretName": "kvgate-tls"}} in pod["volumes"]
+    for suffix in ("-gateway", "-gateway-headless"):
+        (port,) = [p for p in one(docs, "Service", suffix)["spec"]["ports"] if p["name"] != "admin"]
+        assert port["port"] == 9443 and port["targetPort"] == "kvgate-tls"
+    policy = one(docs, "NetworkPolicy", "-gateway")
+    assert _rules_for(policy, 9002) == [] and _admits(_rules_for(policy, 9443)[0], _pod_labels(docs, "-envoy"))
+    clusters = {c["name"]: c for c in envoy_bootstrap(docs)["static_resources"]["clusters"]}
+    tls = clusters["kvgate_ext_proc"]["transport_socket"]["typed_config"]
+    assert tls["sni"] == f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local"
+    envoy_volumes = {v["name"]: v for v in _pod(docs, "-envoy")["volumes"]}
+    assert envoy_volumes["kvgate-tls"]["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]  # not the key
+    with pytest.raises(helm.HelmRenderError, match="needs gateway.tls.secretName"):
+        render(chart, _with(gateway={"tls": {"enabled": True}}))
+
+
 # --- Redis -----------------------------------------------------------------------------------------
 
 

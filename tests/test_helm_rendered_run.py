@@ -331,3 +331,64 @@ def test_without_the_hook_sigterm_cuts_the_stream(stack: RenderedStack) -> None:
     stack.envoy.kill(signal.SIGTERM)
     client.join(timeout=60)
     assert "error" in status or not status["answer"][2].rstrip().endswith(b"data: [DONE]")
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def test_tls_to_the_decision_port_routes_and_plaintext_is_refused(stack: RenderedStack) -> None:
+    """gateway.tls: the gateway pod's TLS sidecar (its bootstrap from the ConfigMap) in front of
+    the running kvgate, and an Envoy from the TLS bootstrap. Requests are decided by kvgate (not
+    failed open) over TLS; a plaintext gRPC client on the TLS port gets nothing."""
+    docs = render(stack.chart, {**values(stack.prefix), "gateway": {
+        **values(stack.prefix)["gateway"], "tls": {"enabled": True, "secretName": "kvgate-tls"}}})  # fmt: skip
+    headless = "kv-kvgate-gateway-headless.llm.svc.cluster.local"
+    certs = stack.tmp / "kvgate-tls"
+    certs.mkdir()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca", cwd=certs)
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={headless}", cwd=certs)
+    (certs / "ext.cnf").write_text(f"subjectAltName=DNS:{headless}\n")
+    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "tls.crt",
+             "-days", "2", "-extfile", "ext.cnf", cwd=certs)  # fmt: skip
+
+    ports = Ports()  # engines and kvgate as already running; new ports for the new Envoys
+    ports.map = {k: v for k, v in stack.ports.map.items() if k[0] in NODES.values() or k[0] in ("gateway", headless)}
+    sidecar_port = free_port()
+    served = ports(headless, 9002)  # kvgate's plaintext port, reached over localhost in the pod
+    ports.map[(headless, 9443)] = sidecar_port
+
+    def local_files(text: str) -> str:
+        return text.replace("/var/run/kvgate-tls", str(certs))  # the Secret's mount
+
+    proxy_boot = yaml.safe_load(local_files(one(docs, "ConfigMap", "-gateway")["data"]["tls-proxy.yaml"]))
+    proxy_ports = Ports()
+    proxy_ports.map = {("0.0.0.0", 9443): sidecar_port, ("127.0.0.1", 9002): served}
+    (stack.tmp / "tls-proxy.yaml").write_text(yaml.safe_dump(patch_bootstrap(proxy_boot, proxy_ports)))
+    proxy = stack._started(Proc("tls-proxy", [stack.envoy_bin, "-c", str(stack.tmp / "tls-proxy.yaml"),
+                                              "--disable-hot-restart", "-l", "warning"], stack.tmp))  # fmt: skip
+    wait_for_port(sidecar_port, proc=proxy.popen)
+
+    boot = patch_bootstrap(yaml.safe_load(local_files(one(docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"])), ports)
+    listen = boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
+    (stack.tmp / "envoy-tls.yaml").write_text(yaml.safe_dump(boot))
+    envoy = stack._started(Proc("envoy-tls", [stack.envoy_bin, "-c", str(stack.tmp / "envoy-tls.yaml"),
+                                              "--disable-hot-restart", "-l", "warning"], stack.tmp))  # fmt: skip
+    wait_for_port(listen, proc=envoy.popen)
+
+    decided = stack.metric("kvgate_decisions_total", "")
+    failed_open = stack.metric("kvgate_fail_open_total", "")
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "over TLS"}], "max_tokens": 2}).encode()
+    for _ in range(4):
+        status, _, raw = request(f"http://127.0.0.1:{listen}/v1/chat/completions", method="POST", body=body,
+                                 headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        assert status == 200, raw[:300]
+    assert stack.metric("kvgate_decisions_total", "") - decided >= 4
+    assert stack.metric("kvgate_fail_open_total", "") == failed_open
+
+    import grpc  # a client that speaks plaintext h2c, as Envoy did before: no answer on the TLS port
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{sidecar_port}")
+    with pytest.raises(grpc.FutureTimeoutError):
+        grpc.channel_ready_future(channel).result(timeout=2)
+    channel.close()

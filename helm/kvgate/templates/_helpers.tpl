@@ -116,8 +116,19 @@ ConfigMaps or the pod spec.
 {{- printf "%s-gateway-headless.%s" (include "kvgate.fullname" .) (include "kvgate.svcDomain" .) -}}
 {{- end -}}
 
+{{/* The decision port callers use: the TLS sidecar's when gateway.tls is on. */}}
 {{- define "kvgate.kvgatePort" -}}
+{{- if .Values.gateway.tls.enabled }}{{ .Values.gateway.tls.port | int }}{{ else }}{{ include "kvgate.kvgateServedPort" . }}{{ end -}}
+{{- end -}}
+
+{{/* The port kvgate itself serves decisions on (plaintext). */}}
+{{- define "kvgate.kvgateServedPort" -}}
 {{- if eq .Values.gateway.integration "ext_authz" }}{{ .Values.gateway.extAuthzPort | int }}{{ else }}{{ .Values.gateway.extProcPort | int }}{{ end -}}
+{{- end -}}
+
+{{/* The FQDN kvgate's TLS certificate must carry (SNI and SAN checked by Envoy). */}}
+{{- define "kvgate.tlsServerName" -}}
+{{- printf "%s.svc.%s" (printf "%s-gateway-headless.%s" (include "kvgate.fullname" .) .Release.Namespace) .Values.clusterDomain -}}
 {{- end -}}
 
 {{/*
@@ -152,6 +163,12 @@ Rules no JSON schema can say clearly. Each fails the install with what to change
 {{- end -}}
 {{- if and $v.gateway.autoscaling.enabled (gt (int $v.gateway.autoscaling.minReplicas) (int $v.gateway.autoscaling.maxReplicas)) -}}
 {{- fail "gateway.autoscaling.minReplicas is above gateway.autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- if and $v.gateway.tls.enabled (not $v.gateway.tls.secretName) -}}
+{{- fail "gateway.tls.enabled needs gateway.tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- end -}}
+{{- if and $v.gateway.tls.enabled (has (int $v.gateway.tls.port) (list (int $v.gateway.adminPort) (int $v.gateway.extProcPort) (int $v.gateway.extAuthzPort))) -}}
+{{- fail "gateway.tls.port must differ from the gateway's other ports" -}}
 {{- end -}}
 {{- $fullname := include "kvgate.fullname" . -}}
 {{- if gt (len $fullname) 46 -}}
