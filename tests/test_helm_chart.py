@@ -217,8 +217,9 @@ def test_envoy_strips_client_headers_fails_open_and_falls_back_to_least_request(
     kvgate_filter = hcm["http_filters"][0]["typed_config"]
     assert kvgate_filter["failure_mode_allow"] is True
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
-    assert clusters["kvgate_destination"]["type"] == "ORIGINAL_DST"
-    assert clusters["kvgate_destination"]["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    override = clusters["kvgate_destination"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert override["typed_config"]["override_host_sources"] == [{"header": "x-gateway-destination-endpoint"}]
+    assert clusters["kvgate_destination"]["load_assignment"]["endpoints"] == clusters["fleet"]["load_assignment"]["endpoints"]
     assert clusters["fleet"]["lb_policy"] == "LEAST_REQUEST"
     assert clusters["fleet"]["type"] == "STRICT_DNS"  # the engines' headless Service
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
