@@ -377,3 +377,67 @@ def test_a_release_name_too_long_for_its_objects_fails_the_install(chart: Any) -
         chart.render(values=copy.deepcopy(BASE), name=long_name, namespace=NAMESPACE)
     ok = chart.render(values={**copy.deepcopy(BASE), "fullnameOverride": "kvgate-prod"}, name=long_name, namespace=NAMESPACE)
     assert ok
+
+
+# --- the walkthrough in docs/kubernetes.md is one that installs --------------------------------------
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "kubernetes.md"
+
+
+def _set(values: dict[str, Any], assignment: str) -> None:
+    """One `--set a.b=c` as Helm reads it (lists in braces, booleans, integers)."""
+    key, _, raw = assignment.partition("=")
+    value: Any = raw
+    if raw.startswith("{") and raw.endswith("}"):
+        value = raw[1:-1].split(",")
+    elif raw in ("true", "false"):
+        value = raw == "true"
+    elif raw.isdigit():
+        value = int(raw)
+    *parents, last = key.split(".")
+    node = values
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+
+
+def _doc_commands() -> list[str]:
+    text = DOC.read_text().replace("\\\n", " ")
+    return [re.sub(r"\s+", " ", line.strip()) for line in text.splitlines() if re.match(r"\s*helm (install|upgrade|template) ", line)]
+
+
+def test_every_helm_command_of_the_walkthrough_renders_and_validates(chart: Any) -> None:
+    commands = _doc_commands()
+    assert len(commands) >= 3
+    installed: dict[str, Any] = {}
+    for command in commands:
+        values = copy.deepcopy(installed) if "--reuse-values" in command or " ... " in command else {}
+        for assignment in re.findall(r"--set (\S+)", command.replace("NAME", MODEL)):
+            _set(values, assignment)
+        docs = [d for d in render_as(chart, values, "kvgate", "llm")]
+        _validate(docs)
+        if command.startswith("helm install") and not installed:
+            installed = values
+            names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+            mentioned = re.findall(r"\b(deploy|svc|configmap)/?\s?(kvgate-[\w-]+)", DOC.read_text())
+            assert len(mentioned) >= 4
+            for kind, name in mentioned:
+                kind = {"deploy": "Deployment", "svc": "Service", "configmap": "ConfigMap"}[kind]
+                if name != "kvgate-bridge-sidecar":  # the sidecar variation renders it
+                    assert (kind, name) in names, (kind, name)
+
+
+def test_the_walkthroughs_kubernetes_objects_validate() -> None:
+    blocks = re.findall(r"<<'YAML'\n(.*?)\nYAML", DOC.read_text(), flags=re.S)
+    checked = 0
+    for block in blocks:
+        for doc in yaml.safe_load_all(block):
+            if doc and doc["apiVersion"] in ("v1", "apps/v1"):
+                kv.validate(doc, "1.37.0", strict=True)
+                checked += 1
+    assert checked >= 2  # the engines' Service and StatefulSet
+
+
+def render_as(chart: Any, values: dict[str, Any], name: str, namespace: str) -> list[dict]:
+    out = chart.render(values=copy.deepcopy(values), name=name, namespace=namespace)
+    return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
