@@ -6,8 +6,11 @@ What the rendered config does, and why (FACTS.md, "Envoy + ext_proc"):
 - the ext_proc filter gets request headers (``SEND``: with ``SKIP`` the host is picked before the
   body is seen) and the buffered body, and ``failure_mode_allow`` lets requests continue when
   kvgate is down or slow (``message_timeout``);
-- a route matching ``x-gateway-destination-endpoint`` goes to an ``ORIGINAL_DST`` cluster keyed on
-  that header; kvgate clears the route cache so the match is re-evaluated after its mutation;
+- a route matching ``x-gateway-destination-endpoint`` goes to ``kvgate_destination``: the fleet's
+  endpoints under Envoy's override-host load balancer, which sends the first attempt to the node
+  the header names (only if the fleet has it: a foreign address is never a destination) and a
+  retry to another node by least-request; kvgate clears the route cache so the match is
+  re-evaluated after its mutation;
 - every other request (kvgate failed open, or a path kvgate does not route) takes the fallback
   route: a least-request cluster of the same fleet;
 - kvgate runs only on the inference paths; other paths pass through untouched. Paths are
@@ -54,6 +57,9 @@ _FIXED_HEAP = "type.googleapis.com/envoy.extensions.resource_monitors.fixed_heap
 _DOWNSTREAM_CONNS = (
     "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig"
 )
+_OVERRIDE_HOST = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost"
+_LEAST_REQUEST = "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest"
+_UPSTREAM_TLS = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 _PREVIOUS_HOSTS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3.PreviousHostsPredicate"
 
 
@@ -81,6 +87,8 @@ class EnvoySettings:
     max_heap_bytes: int = 1 << 30  # the overload manager's heap limit (keep under the memory limit)
     max_requests_per_node: int = 256  # circuit breakers: the fleet's clusters allow this × fleet_size
     fleet_size: int = 0  # engines behind `fleet` (0 = its length; one DNS name may stand for many)
+    kvgate_tls_ca_file: str = ""  # set: Envoy speaks TLS to kvgate and verifies it against this CA
+    kvgate_tls_server_name: str = ""  # SNI and the DNS name its certificate must carry (default: the host)
 
     def max_upstream_requests(self) -> int:
         """Concurrent requests (and pending ones) a cluster of the fleet allows: Envoy's default
@@ -126,28 +134,25 @@ RETRY_ON = "connect-failure,reset,refused-stream"
 """Failures before any response byte reached the client: a retry cannot duplicate an answer."""
 
 
-def _retry_policy(s: EnvoySettings, cluster: str) -> dict:
-    """Retries on the fallback cluster go to another node (``previous_hosts``). On the
-    ORIGINAL_DST cluster the header pins the host, so a retry only rides out a transient reset
-    there; a dead chosen node is left to kvgate, which drops it from its candidates as soon as
-    the node's KV-event connection drops (workers/bridge.py)."""
-    policy: dict = {
+def _retry_policy(s: EnvoySettings) -> dict:
+    """A retry goes to another node (``previous_hosts``): on ``kvgate_destination`` the header's
+    node had its one attempt, and a retry falls to least-request over the others, so a node
+    kvgate chose but that fails before answering costs a retry, not the request."""
+    return {
         "retry_on": RETRY_ON,
         "num_retries": s.retries,
         "retry_back_off": {"base_interval": "0.025s", "max_interval": "0.250s"},
-    }
-    if cluster == "fleet":
-        policy["retry_host_predicate"] = [
+        "retry_host_predicate": [
             {"name": "envoy.retry_host_predicates.previous_hosts", "typed_config": {"@type": _PREVIOUS_HOSTS}}
-        ]
-        policy["host_selection_retry_max_attempts"] = 5
-    return policy
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
 
 
 def _route(match: dict, cluster: str, s: EnvoySettings, *, kvgate_disabled: bool = False) -> dict:
     route: dict = {"match": match, "route": {"cluster": cluster, "timeout": f"{s.route_timeout_s}s"}}
     if s.retries > 0:
-        route["route"]["retry_policy"] = _retry_policy(s, cluster)
+        route["route"]["retry_policy"] = _retry_policy(s)
     if kvgate_disabled and s.integration == "ext_proc":
         route["typed_per_filter_config"] = {
             "envoy.filters.http.ext_proc": {"@type": _EXT_PROC_PER_ROUTE, "disabled": True}
@@ -174,7 +179,7 @@ def _routes(s: EnvoySettings) -> list[dict]:
                     s,
                 )
             )
-    for path in INFERENCE_PATHS:  # without kvgate (integration none) too: only look-alikes are refused
+    for path in INFERENCE_PATHS:  # also without kvgate: before the look-alike route below
         routes.append(_route({"path": path}, "fleet", s))
     routes.append(
         {
@@ -196,7 +201,7 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
             "@type": _EXT_AUTHZ,
             "http_service": {
                 "server_uri": {
-                    "uri": f"http://{s.ext_authz_address}",
+                    "uri": f"{'https' if s.kvgate_tls_ca_file else 'http'}://{s.ext_authz_address}",
                     "cluster": "kvgate_ext_authz",
                     "timeout": f"{s.message_timeout_ms / 1000:.3f}s",
                 },
@@ -280,6 +285,48 @@ def _health(s: EnvoySettings, check: dict) -> dict:
     }
 
 
+def _kvgate_tls(s: EnvoySettings, address: str, *, http2: bool) -> dict:
+    """TLS to kvgate's decision port, e.g. through a TLS-terminating sidecar (the chart's
+    ``gateway.tls``): the certificate must be signed by the CA and name ``server_name``."""
+    if not s.kvgate_tls_ca_file:
+        return {}
+    name = s.kvgate_tls_server_name or address.rpartition(":")[0].strip("[]")
+    context: dict = {
+        "validation_context": {
+            "trusted_ca": {"filename": s.kvgate_tls_ca_file},
+            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": name}}],
+        }
+    }
+    if http2:
+        context["alpn_protocols"] = ["h2"]
+    return {
+        "transport_socket": {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {"@type": _UPSTREAM_TLS, "sni": name, "common_tls_context": context},
+        }
+    }
+
+
+def _override_host() -> dict:
+    """The node named by the destination header, if the fleet has it; else, and for a retry,
+    least-request (Envoy's override-host policy takes each listed host once)."""
+    least_request = {"name": "envoy.load_balancing_policies.least_request", "typed_config": {"@type": _LEAST_REQUEST}}
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": _OVERRIDE_HOST,
+                        "override_host_sources": [{"header": DESTINATION_HEADER}],
+                        "fallback_policy": {"policies": [{"typed_extension_config": least_request}]},
+                    },
+                }
+            }
+        ]
+    }
+
+
 def _circuit_breakers(s: EnvoySettings) -> dict:
     limit = s.max_upstream_requests()
     return {
@@ -294,8 +341,9 @@ def _circuit_breakers(s: EnvoySettings) -> dict:
 
 def _outlier_detection(s: EnvoySettings) -> dict:
     """Ejects a node answering 5xx or resetting: with retries elsewhere, a node that fails fast
-    no longer attracts the traffic its short queue invites. On the ORIGINAL_DST cluster the
-    ejections are counted per node (kvgate reads them; the header still pins the host)."""
+    no longer attracts the traffic its short queue invites. On ``kvgate_destination`` the
+    ejections are counted per node (the header's choice still goes to an ejected node: kvgate
+    decides; its retries do not)."""
     interval = f"{max(s.health_check_interval_ms, 1000) / 1000:.3f}s"
     return {
         "outlier_detection": {
@@ -325,10 +373,10 @@ def _clusters(s: EnvoySettings) -> list[dict]:
         clusters.append(
             {
                 "name": "kvgate_destination",
-                "type": "ORIGINAL_DST",
+                "type": _cluster_type(s.fleet),
                 "connect_timeout": connect,
-                "lb_policy": "CLUSTER_PROVIDED",
-                "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
+                "load_assignment": {"cluster_name": "kvgate_destination", "endpoints": _endpoints(s.fleet)},
+                "load_balancing_policy": _override_host(),
                 **_circuit_breakers(s),
                 **_outlier_detection(s),
             }
@@ -343,6 +391,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                     "cluster_name": "kvgate_ext_authz",
                     "endpoints": _endpoints([s.ext_authz_address]),
                 },
+                **_kvgate_tls(s, s.ext_authz_address, http2=False),
             }
         )
     if s.integration == "ext_proc":
@@ -361,6 +410,7 @@ def _clusters(s: EnvoySettings) -> list[dict]:
                     "cluster_name": "kvgate_ext_proc",
                     "endpoints": _endpoints(s.ext_proc_endpoints()),
                 },
+                **_kvgate_tls(s, s.ext_proc_endpoints()[0], http2=True),
                 **_health(s, {"tcp_health_check": {}}),
             }
         )
@@ -462,6 +512,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--observe-responses", action="store_true",
         help="ext_proc: send kvgate each answer's headers, so it stops choosing nodes that answer 5xx (~0.2 ms CPU a request)",
     )
+    parser.add_argument("--fleet-size", type=int, default=0, help="engines behind --fleet, for circuit breakers (default: its length)")
+    parser.add_argument("--max-heap-mib", type=int, default=1024, help="Envoy's heap limit (overload manager), MiB")
+    parser.add_argument("--kvgate-tls-ca", default="", help="speak TLS to kvgate, verifying it with this CA file")
+    parser.add_argument("--kvgate-tls-server-name", default="", help="name kvgate's certificate carries (default: its host)")
     parser.add_argument("-o", "--output", help="write here instead of stdout")
 
 
@@ -483,6 +537,10 @@ def settings_from_args(args: argparse.Namespace) -> EnvoySettings:
         message_timeout_ms=args.message_timeout_ms,
         observe_responses=args.observe_responses,
         caller_token=cfg.caller_token(),
+        fleet_size=args.fleet_size,
+        max_heap_bytes=args.max_heap_mib << 20,
+        kvgate_tls_ca_file=args.kvgate_tls_ca,
+        kvgate_tls_server_name=args.kvgate_tls_server_name,
     )
 
 

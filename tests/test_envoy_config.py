@@ -83,7 +83,10 @@ def test_bootstrap_strips_client_headers_and_fails_open() -> None:
     assert ext_proc["processing_mode"]["request_header_mode"] == "SEND"
     assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED"
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
-    assert clusters["kvgate_destination"]["original_dst_lb_config"]["http_header_name"] == DESTINATION_HEADER
+    override = clusters["kvgate_destination"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert override["typed_config"]["override_host_sources"] == [{"header": DESTINATION_HEADER}]
+    # only the fleet's nodes can be destinations: the same endpoints as the fallback
+    assert clusters["kvgate_destination"]["load_assignment"]["endpoints"] == clusters["fleet"]["load_assignment"]["endpoints"]
     assert clusters["fleet"]["lb_policy"] == "LEAST_REQUEST"
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
     assert routes[-1]["route"]["cluster"] == "fleet"  # the fallback catches everything else
@@ -110,5 +113,9 @@ def test_ext_authz_bootstrap_carries_the_body_and_only_kvgate_headers() -> None:
 
 def test_plain_bootstrap_has_no_kvgate() -> None:
     boot = render_bootstrap(EnvoySettings(fleet=FLEET, integration="none", lb_policy="ROUND_ROBIN"))
+    routes = _hcm(boot)["route_config"]["virtual_hosts"][0]["routes"]
+    exact = [r["match"]["path"] for r in routes if "path" in r["match"]]
+    assert exact == ["/v1/chat/completions", "/v1/completions"]  # not caught by the look-alike 404
+    assert all(r["route"]["cluster"] == "fleet" for r in routes if "path" in r["match"])
     assert [f["name"] for f in _hcm(boot)["http_filters"]] == ["envoy.filters.http.router"]
     assert {c["name"] for c in boot["static_resources"]["clusters"]} == {"fleet"}

@@ -4,6 +4,7 @@ stall cannot hold Envoy's connections and memory (issue: hardening, items 5 and 
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
@@ -124,3 +125,57 @@ def test_connections_over_the_limit_are_refused(stack: Stack) -> None:
     time.sleep(0.3)
     status, _, _ = request(stack.url("/v1/models"))
     assert status == 200
+
+
+def test_a_retry_after_the_chosen_node_failed_goes_to_another_node(tmp_path, envoy_bin, redis_url, key_prefix) -> None:
+    """kvgate picks the node holding the prefix; that node is dead (connection refused) and kvgate
+    has not noticed yet. Before: every retry was pinned to it by the destination header and the
+    client got 503. After: the retry drops the header's choice and goes to another node (200).
+    An address the fleet does not have is never a destination (Envoy balances instead)."""
+    from tests.support.stack import chat, document, keys_of
+    from tokenizer import PromptTokenizer
+
+    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix)
+    try:
+        body = chat(document("retry"), "Summarise.")
+        s.seed("a", keys_of(PromptTokenizer(), "/v1/chat/completions", body))
+        status, headers, raw = request(s.url("/v1/chat/completions"), method="POST",
+                                       body=json.dumps(body).encode(), headers={"content-type": "application/json"})  # fmt: skip
+        assert status == 200 and json.loads(raw)["node"] == "a"  # the owner, while it lives
+        s.echos["a"].kill()
+        for _ in range(3):
+            status, _, raw = request(s.url("/v1/chat/completions"), method="POST",
+                                     body=json.dumps(body).encode(), headers={"content-type": "application/json"})  # fmt: skip
+            assert status == 200, raw[:300]
+            assert json.loads(raw)["node"] in ("b", "c")
+    finally:
+        s.stop()
+
+
+def test_a_node_registered_only_in_the_directory_never_receives_traffic(
+    tmp_path, envoy_bin, redis_url, key_prefix
+) -> None:
+    """Anyone who can write to Redis registers "evil" at an address of their own and seeds it as
+    the owner of a prompt. Whatever kvgate then decides, Envoy sends requests only to the fleet's
+    nodes: the evil listener sees nothing and the client is answered by a, b or c."""
+    from directory_client.types import NodeInfo
+    from tests.conftest import free_port
+    from tests.support.procs import start_echo
+    from tests.support.stack import chat, document, keys_of
+    from tokenizer import PromptTokenizer
+
+    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix)
+    try:
+        evil_port = free_port()
+        evil = s._started(start_echo("evil", evil_port, tmp_path))
+        s.directory_call(lambda d: d.register_node(NodeInfo("evil", f"127.0.0.1:{evil_port}")))
+        body = chat(document("exfiltrate"), "Summarise.")
+        s.seed("evil", keys_of(PromptTokenizer(), "/v1/chat/completions", body))
+        for _ in range(3):
+            status, _, raw = request(s.url("/v1/chat/completions"), method="POST",
+                                     body=json.dumps(body).encode(), headers={"content-type": "application/json"})  # fmt: skip
+            assert status == 200 and json.loads(raw)["node"] in ("a", "b", "c")
+        assert json.loads(request(f"http://127.0.0.1:{evil_port}/_stats")[2])["requests"] == 0
+        assert evil.alive()
+    finally:
+        s.stop()

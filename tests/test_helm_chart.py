@@ -33,14 +33,16 @@ NO_SCHEMA = {"ServiceMonitor"}  # a CRD (prometheus-operator): checked by hand b
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     # chart defaults plus the one value every install must give
-    "defaults": {"models": [MODEL]},
+    "defaults": {"models": [MODEL], "tokenizer": {"huggingFace": {"model": MODEL}}},
     "external-redis": {
         "models": [MODEL],
+        "tokenizer": {"volume": {"persistentVolumeClaim": {"claimName": "llama-tokenizer"}}, "subPath": "llama-3.1"},
         "redis": {"mode": "external", "external": {"url": "rediss://redis.data.svc:6380/2",
                                                    "passwordSecret": {"name": "redis-auth", "key": "pw"}}},  # fmt: skip
     },
     "discovery-pods": {
         "models": [MODEL],
+        "tokenizer": {"initContainers": [{"name": "copy", "image": "busybox:1.37", "command": ["cp", "-r", "/models/tok/.", "/var/lib/kvgate/tokenizer/"]}]},
         "fleet": {"discovery": {"source": "pods", "namespace": "engines", "labelSelector": "app=vllm",
                                 "port": "http", "eventsPort": "kv-events", "replayPort": None, "transferPort": 7000}},  # fmt: skip
         "envoy": {"fallback": ["vllm.engines.svc.cluster.local:8000"]},
@@ -48,6 +50,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "minimal": {
         "redis": {"mode": "none"},
+        "tokenizer": {"builtinDeepSeek": True},
         "fleet": {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}]},
         "gateway": {"replicas": 1, "autoscaling": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
         "envoy": {"enabled": False},
@@ -55,17 +58,25 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "static-with-bridges": {
         "models": [MODEL],
+        "tokenizer": {"huggingFace": {"model": MODEL, "tokenSecret": {"name": "hf-token"}, "cacheClaim": "hf-cache"}},
         "fleet": {"discovery": {"enabled": False},
                   "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}, {"node_id": "n2", "address": "10.0.0.12:8000"}]},
-        "bridge": {"sidecar": {"enabled": True},
-                   "standalone": {"enabled": True, "engines": [
+        "bridge": {"standalone": {"enabled": True, "engines": [
                        {"node_id": "n1", "address": "10.0.0.11:8000", "events": "tcp://10.0.0.11:5557", "replay": "tcp://10.0.0.11:5558"},
                        {"node_id": "n2", "address": "10.0.0.12:8000", "events": "tcp://10.0.0.12:5557"}]}},
         "redis": {"bundled": {"persistence": {"enabled": True, "storageClass": "fast"}}},
         "gateway": {"config": {"directory": {"heartbeat_ttl_s": 6}}},
         "serviceMonitor": {"enabled": True},
     },  # fmt: skip
-    "ext-authz": {"models": [MODEL], "gateway": {"integration": "ext_authz", "extAuthzPort": 9100}},
+    "sidecar-bridges": {
+        "models": [MODEL],
+        "tokenizer": {"builtinDeepSeek": True},
+        "fleet": {"discovery": {"enabled": False}},
+        "bridge": {"sidecar": {"enabled": True}},
+        "envoy": {"fallback": ["vllm.llm.svc.cluster.local:8000"]},
+    },
+    "ext-authz": {"models": [MODEL], "tokenizer": {"builtinDeepSeek": True},
+                  "gateway": {"integration": "ext_authz", "extAuthzPort": 9100}},
 }
 
 
@@ -206,8 +217,9 @@ def test_envoy_strips_client_headers_fails_open_and_falls_back_to_least_request(
     kvgate_filter = hcm["http_filters"][0]["typed_config"]
     assert kvgate_filter["failure_mode_allow"] is True
     clusters = {c["name"]: c for c in boot["static_resources"]["clusters"]}
-    assert clusters["kvgate_destination"]["type"] == "ORIGINAL_DST"
-    assert clusters["kvgate_destination"]["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    override = clusters["kvgate_destination"]["load_balancing_policy"]["policies"][0]["typed_extension_config"]
+    assert override["typed_config"]["override_host_sources"] == [{"header": "x-gateway-destination-endpoint"}]
+    assert clusters["kvgate_destination"]["load_assignment"]["endpoints"] == clusters["fleet"]["load_assignment"]["endpoints"]
     assert clusters["fleet"]["lb_policy"] == "LEAST_REQUEST"
     assert clusters["fleet"]["type"] == "STRICT_DNS"  # the engines' headless Service
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
@@ -222,7 +234,9 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
     g = values.get("gateway", {})
     integration = g.get("integration", "ext_proc")
     port = g.get("extAuthzPort", 9004) if integration == "ext_authz" else g.get("extProcPort", 9002)
-    kvgate = f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local:{port}"
+    tls = g.get("tls", {}).get("enabled", False)
+    host = f"{RELEASE}-kvgate-gateway-headless.{NAMESPACE}.svc.cluster.local"
+    kvgate = f"{host}:{g['tls'].get('port', 9443) if tls else port}"
     return EnvoySettings(
         fleet=fleet,
         integration=integration,
@@ -243,6 +257,8 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
         max_heap_bytes=e.get("maxHeapBytes", 768 << 20),
         max_requests_per_node=e.get("circuitBreakers", {}).get("maxRequestsPerEngine", 256),
         fleet_size=e.get("circuitBreakers", {}).get("engines", 0) or len(values.get("fleet", {}).get("static", [])) or 32,
+        kvgate_tls_ca_file="/var/run/kvgate-tls/ca.crt" if tls else "",
+        kvgate_tls_server_name=host if tls else "",
     )
 
 
@@ -256,10 +272,13 @@ PARITY = [
         ["10.0.0.11:8000", "10.0.0.12:8000"],
     ),
     (
-        {"models": [MODEL], "gateway": {"extProcPort": 7002},
+        {"models": [MODEL], "tokenizer": {"builtinDeepSeek": True}, "gateway": {"extProcPort": 7002},
          "envoy": {"fallback": ["[fd00::11]:8000", "[fd00::12]:8000"], "retries": 3, "healthCheckIntervalMs": 2500}},
         ["[fd00::11]:8000", "[fd00::12]:8000"],
     ),
+    ({**VALUE_SETS["defaults"], "gateway": {"tls": {"enabled": True, "secretName": "kvgate-tls"}}}, ["vllm.llm.svc.cluster.local:8000"]),
+    ({**VALUE_SETS["ext-authz"], "gateway": {"integration": "ext_authz", "tls": {"enabled": True, "secretName": "t", "port": 9444}}},
+     ["vllm.llm.svc.cluster.local:8000"]),
 ]  # fmt: skip
 
 
@@ -380,7 +399,7 @@ def test_no_secret_in_values_configmaps_or_pod_specs(chart: Any) -> None:
 def test_containers_run_non_root_read_only_without_capabilities(chart: Any, name: str) -> None:
     docs = render(chart, VALUE_SETS[name])
     found = list(containers(docs))
-    if name == "static-with-bridges":
+    if name == "sidecar-bridges":
         found.append(({}, sidecar_snippet(docs)))
     assert found
     for pod, c in found:
@@ -405,7 +424,7 @@ def _admits(rule: dict, labels: dict[str, str]) -> bool:
 def test_only_envoy_reaches_kvgate_and_only_kvgate_reaches_redis(chart: Any) -> None:
     docs = render(chart, VALUE_SETS["static-with-bridges"])
     envoy, gateway, bridge = (_pod_labels(docs, s) for s in ("-envoy", "-gateway", "-bridge"))
-    redis = _pod_labels(docs, "-redis", "StatefulSet")
+    redis = _pod_labels(docs, "-redis-persistent", "StatefulSet")  # persistence on: its own name
 
     gw_policy = one(docs, "NetworkPolicy", "-gateway")
     assert _selects(gw_policy["spec"]["podSelector"]["matchLabels"], gateway)
@@ -419,7 +438,9 @@ def test_only_envoy_reaches_kvgate_and_only_kvgate_reaches_redis(chart: Any) -> 
     assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
     assert _admits(rule, gateway) and _admits(rule, bridge)
     assert not _admits(rule, envoy) and not _admits(rule, {"app": "vllm"})
-    labels_for_engines = yaml.safe_load(one(docs, "ConfigMap", "-bridge-sidecar")["data"]["pod-labels.yaml"])
+    sidecar_docs = render(chart, VALUE_SETS["sidecar-bridges"])
+    labels_for_engines = yaml.safe_load(one(sidecar_docs, "ConfigMap", "-bridge-sidecar")["data"]["pod-labels.yaml"])
+    (rule,) = one(sidecar_docs, "NetworkPolicy", "-redis")["spec"]["ingress"]
     assert _admits(rule, {"app": "vllm", **labels_for_engines})  # engines carrying the sidecar
 
 
@@ -457,12 +478,15 @@ def test_discovery_gets_read_only_access_to_the_engines_namespace(chart: Any) ->
 def test_bridges_write_where_the_gateway_reads(chart: Any) -> None:
     docs = render(chart, VALUE_SETS["static-with-bridges"])
     cfg = yaml.safe_load(gateway_config_text(docs))
-    sidecar = sidecar_snippet(docs)
+    sidecar_values = copy.deepcopy(VALUE_SETS["sidecar-bridges"])
+    sidecar_values["gateway"] = {"config": {"directory": {"heartbeat_ttl_s": 6}}}
+    sidecar = sidecar_snippet(render(chart, sidecar_values))
     standalone = one(docs, "Deployment", "-bridge")["spec"]["template"]["spec"]["containers"][0]
     for c in (sidecar, standalone):
         args = c["args"]
         opt = {args[i]: args[i + 1] for i in range(1, len(args) - 1) if args[i].startswith("--")}
-        assert args[0] == "bridge" and opt["--directory"] == "$(KVGATE_DIRECTORY__URL)"
+        # the URL carries the password: the bridge reads it from its environment, not argv
+        assert args[0] == "bridge" and "--directory" not in opt and not any("REDIS_PASSWORD" in a for a in args)
         assert opt["--model"] == cfg["models"][0] and opt["--block-size"] == str(cfg["block_size"])
         assert opt["--key-prefix"] == cfg["directory"]["key_prefix"]
         assert opt["--heartbeat-ttl"] == "6"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 
 from directory_client import open_directory
@@ -28,7 +29,12 @@ def _engine(text: str) -> EngineSpec:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--directory", default="redis://127.0.0.1:6379/0", help="directory URL (redis://…, redis+cluster://…)")
+    parser.add_argument(
+        "--directory",
+        # From the environment by default, so a password in the URL never shows on a command line.
+        default=os.environ.get("KVGATE_DIRECTORY__URL", "redis://127.0.0.1:6379/0"),
+        help="directory URL (redis://…, redis+cluster://…; default: $KVGATE_DIRECTORY__URL)",
+    )
     parser.add_argument("--key-prefix", default="kvgate", help="key prefix of the directory in Redis")
     parser.add_argument("--index-stride", type=int, default=None, help="directory index stride (must match the gateway's)")
     parser.add_argument("--model", required=True, help="served model name: seeds the block keys (must match the gateway's)")

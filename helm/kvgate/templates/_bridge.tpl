@@ -1,6 +1,6 @@
 {{/*
 The KV-event bridge container: (dict "root" $ "engines" (list "node_id=…,address=…,events=…") "metricsPort" 0).
-Directory URL, key prefix, model, block size and heartbeat TTL are the gateway's, so what the
+The directory URL (with the password) reaches it in KVGATE_DIRECTORY__URL, never as an argument. Key prefix, model, block size and heartbeat TTL are the gateway's, so what the
 bridge writes is what the gateway reads.
 */}}
 {{- define "kvgate.bridgeContainer" -}}
@@ -12,8 +12,6 @@ imagePullPolicy: {{ $v.image.pullPolicy }}
 command: ["kvgate"]
 args:
   - bridge
-  - --directory
-  - $(KVGATE_DIRECTORY__URL)
   - --key-prefix
   - {{ $v.redis.keyPrefix | quote }}
   - --model
@@ -44,6 +42,13 @@ env:
     valueFrom:
       fieldRef: {fieldPath: status.podIP}
   {{- include "kvgate.directoryEnv" $root | nindent 2 }}
+  {{- with .extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- with .extraVolumeMounts }}
+volumeMounts:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
 {{- if .metricsPort }}
 ports:
   - name: metrics

@@ -102,7 +102,7 @@ ConfigMaps or the pod spec.
 {{- $d := .Values.fleet.discovery -}}
 {{- if .Values.envoy.fallback -}}
 {{- toJson .Values.envoy.fallback -}}
-{{- else if and $d.enabled $d.service (kindIs "float64" $d.port) -}}
+{{- else if and $d.enabled (eq $d.source "endpointslices") $d.service (kindIs "float64" $d.port) -}}
 {{- list (printf "%s.%s.svc.%s:%d" $d.service (include "kvgate.discoveryNamespace" .) .Values.clusterDomain (int $d.port)) | toJson -}}
 {{- else -}}
 {{- $out := list -}}
@@ -116,8 +116,19 @@ ConfigMaps or the pod spec.
 {{- printf "%s-gateway-headless.%s" (include "kvgate.fullname" .) (include "kvgate.svcDomain" .) -}}
 {{- end -}}
 
+{{/* The decision port callers use: the TLS sidecar's when gateway.tls is on. */}}
 {{- define "kvgate.kvgatePort" -}}
+{{- if .Values.gateway.tls.enabled }}{{ .Values.gateway.tls.port | int }}{{ else }}{{ include "kvgate.kvgateServedPort" . }}{{ end -}}
+{{- end -}}
+
+{{/* The port kvgate itself serves decisions on (plaintext). */}}
+{{- define "kvgate.kvgateServedPort" -}}
 {{- if eq .Values.gateway.integration "ext_authz" }}{{ .Values.gateway.extAuthzPort | int }}{{ else }}{{ .Values.gateway.extProcPort | int }}{{ end -}}
+{{- end -}}
+
+{{/* The FQDN kvgate's TLS certificate must carry (SNI and SAN checked by Envoy). */}}
+{{- define "kvgate.tlsServerName" -}}
+{{- printf "%s.svc.%s" (printf "%s-gateway-headless.%s" (include "kvgate.fullname" .) .Release.Namespace) .Values.clusterDomain -}}
 {{- end -}}
 
 {{/*
@@ -141,8 +152,30 @@ Rules no JSON schema can say clearly. Each fails the install with what to change
 {{- if and $v.bridge.standalone.enabled (not $v.bridge.standalone.engines) -}}
 {{- fail "bridge.standalone.enabled needs bridge.standalone.engines" -}}
 {{- end -}}
-{{- if and (not $d.enabled) (not $v.fleet.static) -}}
-{{- fail "no fleet: list nodes in fleet.static or set fleet.discovery.enabled=true" -}}
+{{- if and (not $d.enabled) (not $v.fleet.static) (not $v.bridge.sidecar.enabled) -}}
+{{- fail "no fleet: list nodes in fleet.static, set fleet.discovery.enabled=true, or let bridge.sidecar register the engine pods" -}}
+{{- end -}}
+{{- if and $v.bridge.sidecar.enabled $v.fleet.static -}}
+{{- fail "bridge.sidecar registers every engine pod under its own name: leave fleet.static empty (listing the engines there too registers each twice)" -}}
+{{- end -}}
+{{- if or (eq (int $v.gateway.adminPort) (int $v.gateway.extProcPort)) (and (eq $v.gateway.integration "ext_authz") (eq (int $v.gateway.adminPort) (int $v.gateway.extAuthzPort))) -}}
+{{- fail "gateway.adminPort must differ from gateway.extProcPort and gateway.extAuthzPort" -}}
+{{- end -}}
+{{- if and $v.gateway.autoscaling.enabled (gt (int $v.gateway.autoscaling.minReplicas) (int $v.gateway.autoscaling.maxReplicas)) -}}
+{{- fail "gateway.autoscaling.minReplicas is above gateway.autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- if and $v.gateway.tls.enabled (not $v.gateway.tls.secretName) -}}
+{{- fail "gateway.tls.enabled needs gateway.tls.secretName (a Secret with tls.crt, tls.key and ca.crt)" -}}
+{{- end -}}
+{{- if and $v.gateway.tls.enabled (has (int $v.gateway.tls.port) (list (int $v.gateway.adminPort) (int $v.gateway.extProcPort) (int $v.gateway.extAuthzPort))) -}}
+{{- fail "gateway.tls.port must differ from the gateway's other ports" -}}
+{{- end -}}
+{{- $fullname := include "kvgate.fullname" . -}}
+{{- if gt (len $fullname) 46 -}}
+{{- fail (printf "the release's objects are named %s-… and the longest (%s-gateway-headless) must fit 63 characters: use a shorter release name or fullnameOverride (at most 46 characters)" $fullname $fullname) -}}
+{{- end -}}
+{{- if and $v.envoy.enabled (gt (int $v.envoy.terminationGracePeriodSeconds) 0) (lt (int $v.envoy.terminationGracePeriodSeconds) (add (int $v.envoy.drainSeconds) (int $v.envoy.routeTimeoutSeconds))) -}}
+{{- fail "envoy.terminationGracePeriodSeconds is shorter than envoy.drainSeconds + envoy.routeTimeoutSeconds: a rollout would cut generations in flight" -}}
 {{- end -}}
 {{- if and $d.enabled (eq $d.source "endpointslices") (not (or $d.service $d.labelSelector)) -}}
 {{- fail "fleet.discovery.source=endpointslices needs fleet.discovery.service (the engines' Service)" -}}
@@ -154,6 +187,125 @@ Rules no JSON schema can say clearly. Each fails the install with what to change
 {{- fail "KV events are keyed by model name: set models (e.g. [meta-llama/Llama-3.1-8B-Instruct])" -}}
 {{- end -}}
 {{- if and $v.envoy.enabled (eq (include "kvgate.envoyFallback" . | fromJsonArray | len) 0) -}}
-{{- fail "envoy needs a fallback cluster: set envoy.fallback, or fleet.discovery.service with a numeric fleet.discovery.port, or fleet.static" -}}
+{{- fail "envoy needs a fallback cluster: set envoy.fallback (e.g. the engines' headless Service, vllm.llm.svc.cluster.local:8000), or use fleet.discovery.source=endpointslices with a numeric fleet.discovery.port, or fleet.static" -}}
 {{- end -}}
+{{- $t := $v.tokenizer -}}
+{{- $sources := 0 -}}
+{{- range (list $t.huggingFace.model $t.volume $t.initContainers $t.builtinDeepSeek) }}{{ if . }}{{ $sources = add1 $sources }}{{ end }}{{ end -}}
+{{- if and (eq $sources 0) (not (dig "tokenizer" "source" "" $v.gateway.config)) -}}
+{{- fail "kvgate needs the engines' tokenizer (without it no block key matches and routing is by load only): set tokenizer.huggingFace.model (e.g. meta-llama/Llama-3.1-8B-Instruct), tokenizer.volume, or tokenizer.initContainers; tokenizer.builtinDeepSeek=true for DeepSeek V3/R1 models" -}}
+{{- end -}}
+{{- if gt $sources 1 -}}
+{{- if not (and (eq $sources 2) $t.volume $t.initContainers) -}}
+{{- fail "give the tokenizer one way: tokenizer.huggingFace.model, tokenizer.volume (optionally filled by tokenizer.initContainers), or tokenizer.builtinDeepSeek" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where the gateway reads the tokenizer; empty = kvgate's built-in (DeepSeek) or gateway.config's. */}}
+{{- define "kvgate.tokenizerDir" -}}
+{{- $t := .Values.tokenizer -}}
+{{- if or $t.huggingFace.model $t.volume $t.initContainers -}}
+{{- if $t.subPath }}/var/lib/kvgate/tokenizer/{{ $t.subPath }}{{ else }}/var/lib/kvgate/tokenizer{{ end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The tokenizer's volume and, for a Hugging Face model id, the init container that fetches it.
+The download keeps what is already in the volume if the Hub is unreachable (a PVC cache), and
+fails the pod with a sentence saying why otherwise.
+*/}}
+{{- define "kvgate.tokenizerVolume" -}}
+{{- $t := .Values.tokenizer -}}
+{{- if $t.volume }}
+- name: tokenizer
+  {{- toYaml $t.volume | nindent 2 }}
+{{- else if $t.huggingFace.cacheClaim }}
+- name: tokenizer
+  persistentVolumeClaim: {claimName: {{ $t.huggingFace.cacheClaim }}}
+{{- else if or $t.huggingFace.model $t.initContainers }}
+- name: tokenizer
+  emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{- define "kvgate.tokenizerInitContainers" -}}
+{{- $t := .Values.tokenizer -}}
+{{- $hf := $t.huggingFace -}}
+{{- if $hf.model }}
+- name: fetch-tokenizer
+  image: {{ include "kvgate.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["sh", "-c"]
+  args:
+    - |
+      dir=/var/lib/kvgate/tokenizer
+      if hf download "$HF_MODEL" --revision "$HF_REVISION" --local-dir "$dir" \
+           --include 'tokenizer*' --include special_tokens_map.json --include 'chat_template*' \
+         && [ -f "$dir/tokenizer.json" ]; then
+        echo "tokenizer of $HF_MODEL@$HF_REVISION ready in $dir"  # fetched, or kept if the Hub is unreachable
+      elif [ -f "$dir/tokenizer.json" ]; then
+        echo "could not reach the Hub: using the tokenizer already in $dir" >&2
+      else
+        echo "no tokenizer for $HF_MODEL: a gated model needs tokenizer.huggingFace.tokenSecret (the Hub token), and the pod needs egress to huggingface.co" >&2
+        exit 1
+      fi
+  env:
+    - {name: HF_MODEL, value: {{ $hf.model | quote }}}
+    - {name: HF_REVISION, value: {{ $hf.revision | quote }}}
+    - {name: HF_HOME, value: /tmp/hf}
+    - {name: HF_HUB_DISABLE_TELEMETRY, value: "1"}
+    {{- if $hf.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ $hf.tokenSecret.name }}, key: {{ $hf.tokenSecret.key }}}
+    {{- end }}
+  resources:
+    requests: {cpu: 100m, memory: 128Mi}
+    limits: {memory: 512Mi}
+  securityContext:
+    {{- toYaml .Values.securityContext | nindent 4 }}
+  volumeMounts:
+    - {name: tokenizer, mountPath: /var/lib/kvgate/tokenizer}
+    - {name: tmp, mountPath: /tmp}
+{{- end }}
+{{- range $t.initContainers }}
+{{- $c := mergeOverwrite (deepCopy .) (dict "volumeMounts" (append (default list .volumeMounts) (dict "name" "tokenizer" "mountPath" "/var/lib/kvgate/tokenizer"))) }}
+{{- if not $c.securityContext }}{{ $_ := set $c "securityContext" $.Values.securityContext }}{{ end }}
+- {{- toYaml $c | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Topology spread of a component: (list $ "component" $componentValues). */}}
+{{- define "kvgate.spread" -}}
+{{- $root := index . 0 -}}
+{{- $c := index . 2 -}}
+{{- if $c.topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml $c.topologySpreadConstraints | nindent 2 }}
+{{- else if $c.spreadAcrossNodes }}
+topologySpreadConstraints:
+  {{- range (list "kubernetes.io/hostname" "topology.kubernetes.io/zone") }}
+  - maxSkew: 1
+    topologyKey: {{ . }}
+    whenUnsatisfiable: ScheduleAnyway
+    labelSelector:
+      matchLabels:
+        {{- include "kvgate.selectorLabels" (list $root (index $ 1)) | nindent 8 }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* The Redis TLS files mounted from redis.external.tls.secretName (a volume and its mount). */}}
+{{- define "kvgate.redisTlsVolume" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tls.secretName }}
+- name: redis-tls
+  secret: {secretName: {{ .Values.redis.external.tls.secretName }}}
+{{- end }}
+{{- end -}}
+
+{{- define "kvgate.redisTlsMount" -}}
+{{- if and (eq .Values.redis.mode "external") .Values.redis.external.tls.secretName }}
+- {name: redis-tls, mountPath: /var/run/kvgate/redis-tls, readOnly: true}
+{{- end }}
 {{- end -}}
