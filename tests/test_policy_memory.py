@@ -75,11 +75,13 @@ def test_a_copy_is_still_made_when_the_owners_queue_costs_more_than_the_memory(p
 def test_a_hit_behind_a_queue_that_overflows_memory_is_discounted_by_its_chance_to_survive(profile) -> None:
     pricing = MemoryPricing(profile, BS, 1.0)
     full = node(1, 512, held=CAPACITY, inflight=5, queued=16_000)  # the queue stores 1,000 new blocks
-    assert pricing.survival(full) == pytest.approx(1 - 1000 / CAPACITY)
+    survival, eviction_s = pricing.price(full, 512)
+    assert survival == pytest.approx(1 - 1000 / CAPACITY)
+    assert eviction_s == pytest.approx((512 - 384) * BS / 18000)  # 384 of 512 blocks expected to survive
     roomy = node(1, 512, held=2000, inflight=5, queued=16_000)
-    assert pricing.survival(roomy) == 1.0  # the queue's blocks fit beside what is held
+    assert pricing.price(roomy, 512) == (1.0, 0.0)  # the queue's blocks fit beside what is held
     unknown = node(1, 512, held=CAPACITY, inflight=5, queued=16_000, capacity=0)
-    assert pricing.survival(unknown) == 1.0 and pricing.eviction_s(unknown, 512) == 0.0
+    assert pricing.price(unknown, 600) == (1.0, 0.0)
     d = make_policy("kvgate").decide(request(), view(full), profile, now=0.0)
     c = d.candidates[0]
     assert c.survival == pytest.approx(0.75)

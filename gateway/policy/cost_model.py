@@ -184,10 +184,9 @@ class TtftEstimator:
             prefill = prefill_s(own)
             memory_s, survival = 0.0, 1.0
             if memory is not None:
-                survival = memory.survival(nv)
+                survival, memory_s = memory.price(nv, total_blocks)
                 if survival < 1.0:  # expected prefill: the hit is gone with probability 1 - survival
                     prefill = survival * prefill + (1.0 - survival) * prefill_s(0)
-                memory_s = memory.eviction_s(nv, total_blocks - int(blocks * survival))
             via_pull = False
             if src_blocks - blocks >= min_pull_blocks and nv.node.transfer_endpoint:
                 pull_transfer = pull_memo.get((own, tier))

@@ -37,26 +37,20 @@ class MemoryPricing:
         self.block_size = block_size
         self.block_value_s = memory_value * block_size / profile.prefill_tokens_per_s
 
-    def _room(self, nv: NodeView) -> tuple[int, int] | None:
-        """(free blocks once the queued prefill is stored, blocks the queue evicts); None: unknown."""
+    def price(self, nv: NodeView, prompt_blocks: int) -> tuple[float, float]:
+        """(survival of the node's cached prefix, eviction cost in seconds of adding the rest).
+
+        One pass per node: a decision prices every live node (hundreds), so this stays inline
+        arithmetic. Capacity unknown: (1.0, 0.0), memory is not priced.
+        """
         capacity = nv.node.capacity_blocks
         if capacity <= 0:
-            return None
-        queued = -(-nv.load.prefill_tokens // self.block_size)
-        free = capacity - nv.total_blocks - queued
-        return (free, 0) if free >= 0 else (0, -free)
-
-    def survival(self, nv: NodeView) -> float:
-        """Chance the node's cached prefix is still there when the queue ahead of it has run."""
-        room = self._room(nv)
-        if room is None or room[1] == 0 or nv.cached_blocks <= 0:
-            return 1.0
-        held = max(nv.total_blocks, nv.cached_blocks, 1)
-        return max(0.0, 1.0 - room[1] / held)
-
-    def eviction_s(self, nv: NodeView, new_blocks: int) -> float:
-        """Future prefill this request's ``new_blocks`` cost by evicting others' blocks here."""
-        room = self._room(nv)
-        if room is None or new_blocks <= 0:
-            return 0.0
-        return max(new_blocks - room[0], 0) * self.block_value_s
+            return 1.0, 0.0
+        free = capacity - nv.total_blocks - -(-nv.load.prefill_tokens // self.block_size)
+        cached = nv.cached_blocks
+        survival = 1.0
+        if free < 0 and cached > 0:
+            survival = max(0.0, 1.0 + free / max(nv.total_blocks, cached, 1))
+        new_blocks = prompt_blocks - int(cached * survival)
+        over = new_blocks - free if free > 0 else new_blocks
+        return survival, (over * self.block_value_s if over > 0 else 0.0)
