@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("gateway.bench_cmd", "measure what the gateway costs per request"),
     "demo": ("loadtest.demo", "the headline experiment at demo scale: 8 nodes, multi-turn chats, round-robin vs kvgate"),
     "loadtest": ("loadtest.cli", "replay traffic through a fleet under several policies, or simulate one"),
+    "profile": ("gateway.profile_fit", "fit a hardware profile to a vLLM engine's /metrics"),
 }
 
 
