@@ -21,6 +21,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("loadtest.demo", "the headline experiment at demo scale: 8 nodes, multi-turn chats, round-robin vs kvgate"),
     "loadtest": ("loadtest.cli", "replay traffic through a fleet under several policies, or simulate one"),
     "vllm": ("loadtest.real_vllm.cli", "real vLLM engines (CPU build) on this machine: install, start a fleet"),
+    "profile": ("gateway.profile_fit", "fit a hardware profile to a vLLM engine's /metrics"),
 }
 
 

@@ -197,6 +197,9 @@ class NodeConfig(_Section):
         description="with `events_collector`: the topic its engine publishes under; "
         "default kv@<address>@<model> or kv@<host>@<model>",
     )
+    capacity_blocks: int = Field(
+        0, ge=0, description="its KV cache size in blocks (vLLM's 'GPU KV cache size' tokens ÷ block size); prices memory; 0 = unknown"
+    )
 
     @field_validator("address")
     @classmethod
@@ -225,6 +228,9 @@ class PolicyConfig(_Section):
     fallbacks: int = Field(2, ge=0, description="further nodes in x-gateway-destination-endpoint")
     saturation_penalty_s: float = Field(1.0, ge=0, description="per request beyond the profile's max_num_seqs")
     tie_tolerance_s: float = Field(0.001, ge=0, description="costs this close count as tied (least loaded wins)")
+    memory_value: float = Field(
+        1.0, ge=0, description="kvgate: worth of a block evicted from a full node, in prefills of it (0: memory is free)"
+    )
 
     @field_validator("name")
     @classmethod

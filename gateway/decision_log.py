@@ -144,6 +144,8 @@ def describe(result: RouteResult) -> dict[str, Any]:
                 "transfer_s": c.transfer_s,
                 "prefill_s": c.prefill_s,
                 "total_s": c.total_s,
+                "memory_s": c.memory_s,
+                "survival": c.survival,
             }
             for c in candidates
         ],

@@ -121,6 +121,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
                     events=n.events_endpoint,
                     replay=n.replay_endpoint or None,
                     transfer=n.transfer_endpoint,
+                    capacity=n.capacity_blocks,
                 )
             )
     bridges = [

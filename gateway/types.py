@@ -39,7 +39,13 @@ class PullPlan:
 
 @dataclass(frozen=True, slots=True)
 class CandidateCost:
-    """One node's estimated time to first token, by part, as the policy saw it."""
+    """One node's estimated time to first token, by part, as the policy saw it.
+
+    ``memory_s`` is not part of the time to first token: it is what the request costs later
+    requests by evicting their blocks here (``gateway.policy.memory``), and ``survival`` the
+    chance this node's cached prefix is still there when the request is served (the prefill
+    estimate already blends hit and miss by it). A memory-aware policy ranks by ``score``.
+    """
 
     node_id: str
     address: str
@@ -51,6 +57,13 @@ class CandidateCost:
     prefill_s: float
     total_s: float
     via_pull: bool = False
+    memory_s: float = 0.0
+    survival: float = 1.0
+
+    @property
+    def score(self) -> float:
+        """Time to first token plus the memory this request takes from others."""
+        return self.total_s + self.memory_s
 
 
 @dataclass(frozen=True, slots=True)

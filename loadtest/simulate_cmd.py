@@ -22,7 +22,7 @@ from loadtest.replay import add_run_args, emit
 from loadtest.report import wide_console
 from loadtest.sim.simulator import SimConfig, Simulator
 from loadtest.summary import add_pool_share, summarize, ttft_samples_ms
-from loadtest.workload_args import add_workload_args, build_workload
+from loadtest.workload_args import TOKEN_ID_WORKLOADS, add_workload_args, build_workload
 from tokenizer import PromptTokenizer
 
 MAX_NODES = 256
@@ -59,7 +59,7 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
         raise ValueError(f"--nodes must be 1..{MAX_NODES}")
     policies = parse_policies(args.policies, list(SIM_POLICIES))
     profile = _profile(args)
-    tokenizer = None if args.workload == "trace" else PromptTokenizer()
+    tokenizer = None if args.workload in TOKEN_ID_WORKLOADS else PromptTokenizer()
     workload = build_workload(args, tokenizer)
     if tokenizer is None:
         tokenizer = PromptTokenizer()  # replies still decode to text (unused by one-turn trace sessions)

@@ -6,11 +6,13 @@ import argparse
 
 from loadtest.workloads.base import Workload
 from loadtest.workloads.chat import chat_workload
+from loadtest.workloads.memory_bound import agentic_workload, memchat_workload
 from loadtest.workloads.shared_prefix import shared_prefix_workload
 from loadtest.workloads.trace import load_trace, trace_workload
 from tokenizer import PromptTokenizer
 
-WORKLOADS = ("chat", "shared-prefix", "trace")
+WORKLOADS = ("chat", "shared-prefix", "trace", "memchat", "agentic")
+TOKEN_ID_WORKLOADS = ("trace", "memchat", "agentic")  # built without the tokenizer
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +21,10 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="kvgate-sim", help="model name the engines serve")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--rate", type=float, default=None,
-                   help="arrivals/s: new chats (chat, default 0.5) or prompts (shared-prefix, default 4)")
+                   help="arrivals/s: new chats (chat, default 0.5; memchat, default 2), prompts (shared-prefix, "
+                        "default 4) or agents (agentic, default 2)")
+    g.add_argument("--sessions", type=int, default=None,
+                   help="memchat: conversations (default 3000); agentic: agents (default 2000)")
     g.add_argument("--max-tokens", type=int, default=96, help="reply budget per request (chat, shared-prefix)")
     g.add_argument("--conversations", type=int, default=32, help="chat: number of conversations")
     g.add_argument("--turns", type=int, default=5, help="chat: turns per conversation")
@@ -37,6 +42,11 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 def build_workload(args: argparse.Namespace, tokenizer: PromptTokenizer | None) -> Workload:
     """The workload the options describe (chat and shared-prefix need the tokenizer to size text)."""
+    if args.workload in ("memchat", "agentic"):
+        make = memchat_workload if args.workload == "memchat" else agentic_workload
+        count = {"conversations" if args.workload == "memchat" else "agents": args.sessions} if args.sessions else {}
+        rate = {"rate_per_s": args.rate} if args.rate else {}
+        return make(model=args.model, max_tokens=args.max_tokens, seed=args.seed, **count, **rate)
     if args.workload == "trace":
         records = load_trace(args.trace, limit=args.trace_limit)
         return trace_workload(

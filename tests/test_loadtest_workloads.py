@@ -110,3 +110,48 @@ def test_trace_workload_scales_time_and_bounds_inputs() -> None:
     assert spec.body["max_tokens"] <= 32 and spec.body["ignore_eos"] is True
     assert len(spec.wire_body()["prompt"]) == w.sessions[0].record.input_length
     assert w.token_id_prompts
+
+
+def test_memory_bound_workloads_are_deterministic_streams() -> None:
+    from loadtest.workloads.memory_bound import agentic_workload, live_tokens_peak, memchat_workload
+
+    for make, kw in ((memchat_workload, {"conversations": 40}), (agentic_workload, {"agents": 40})):
+        a, b = make(seed=3, **kw), make(seed=3, **kw)
+        assert a.token_id_prompts and a.max_requests == b.max_requests
+        assert [s.start_s for s in a.sessions] == [s.start_s for s in b.sessions]
+        for s in a.sessions[:10]:
+            prev = s.request(1, []).prompt_ids
+            assert np.array_equal(prev, b.sessions[a.sessions.index(s)].request(1, []).prompt_ids)
+            for turn in range(2, s.turns + 1):
+                cur = s.request(turn, []).prompt_ids
+                # each turn extends the previous prompt token for token: its node hits all of it
+                assert len(cur) > len(prev) and np.array_equal(cur[: len(prev)], prev)
+                assert s.think_s(turn) > 0
+                prev = cur
+        assert make(seed=4, **kw).sessions[0].request(1, []).prompt_ids.tolist() != \
+            a.sessions[0].request(1, []).prompt_ids.tolist()
+        assert f"live_tokens_peak {live_tokens_peak(a.sessions):,}" in a.description
+
+
+def test_memchat_conversations_share_only_the_system_prompt_and_revisit_after_minutes() -> None:
+    from loadtest.workloads.memory_bound import memchat_workload
+
+    w = memchat_workload(conversations=200, system_tokens=1024, revisit_frac=0.3, revisit_s=(180.0, 600.0), seed=1)
+    firsts = [s.request(1, []).prompt_ids for s in w.sessions[:2]]
+    assert np.array_equal(firsts[0][:1024], firsts[1][:1024])  # the common system prompt
+    assert not np.array_equal(firsts[0][1024:1536], firsts[1][1024:1536])  # then each its own document
+    pauses = [p for s in w.sessions for p in s.pauses]
+    assert sum(p >= 180 for p in pauses) >= 0.2 * len(pauses)  # revisits after minutes (plus long exponential thinks)
+
+
+def test_agentic_prompts_follow_zipf_popularity() -> None:
+    from loadtest.workloads.memory_bound import SEGMENT_TOKENS, agentic_workload
+
+    w = agentic_workload(agents=600, prompts=8, zipf_s=1.2, seed=2)
+    heads = [s.segments[0] for s in w.sessions]
+    counts = sorted((heads.count(h) for h in set(heads)), reverse=True)
+    assert len(counts) <= 8 and counts[0] > 2.5 * counts[-1]  # one hot prompt, a tail of rare ones
+    s = w.sessions[0]
+    steps = np.diff(s.lengths)
+    assert s.lengths[0] >= 6000 and ((steps >= 50) & (steps <= 400)).all()  # long prompt, short steps
+    assert len(s.segments) * SEGMENT_TOKENS >= s.lengths[-1]

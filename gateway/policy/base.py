@@ -103,8 +103,12 @@ def ranked_fallbacks(
 
 
 def describe(cost: CandidateCost) -> str:
-    """'n3 0.412 s (queue 0.100, transfer 0.012, prefill 0.300)' — one candidate for a reason line."""
-    return (
+    """'n3 0.412 s (queue 0.100, transfer 0.012, prefill 0.300)' — one candidate for a reason line;
+    with memory priced: '..., prefill 0.300; memory 0.150, hit survives 80%)'."""
+    line = (
         f"{cost.node_id} {cost.total_s:.3f} s (queue {cost.queue_s:.3f}, "
-        f"transfer {cost.transfer_s:.3f}, prefill {cost.prefill_s:.3f})"
+        f"transfer {cost.transfer_s:.3f}, prefill {cost.prefill_s:.3f}"
     )
+    if cost.memory_s > 0 or cost.survival < 1:
+        line += f"; memory {cost.memory_s:.3f}, hit survives {cost.survival:.0%}"
+    return line + ")"

@@ -39,6 +39,11 @@ profile has one figure for CPU and STORAGE tiers). A pull from a source whose pr
 non-GPU tier also pays that load for the pulled part (the source has to stage it): a
 conservative choice, since some transports read host memory directly.
 
+With memory priced (``memory``, the ``kvgate`` policy's default), each candidate also carries the
+cost of the blocks it would evict (``memory_s``, not part of the TTFT) and the chance its own hit
+survives the queue ahead of it, by which its prefill estimate blends hit and miss
+(``gateway.policy.memory``).
+
 The engine always computes at least one token (it needs that token's logits), so prefill is
 never free, and more cached blocks on a node never raise its own estimate (for any profile
 where staging a token costs less than prefilling it, which holds for every shipped profile).
@@ -49,6 +54,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from directory_client.types import NodeLoad, NodeView, Tier
+from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
 from gateway.types import CandidateCost, RoutingRequest
 
@@ -63,7 +69,7 @@ class TtftEstimator:
     """
 
     __slots__ = (
-        "profile", "request", "link", "saturation_penalty_s",
+        "profile", "request", "link", "saturation_penalty_s", "memory",
         "_prompt", "_block_size", "_inv_prefill_rate", "_prefill_memo",
         "_busy_s", "_busy_s_per_running", "_busy_s_per_queued", "_max_seqs",
     )
@@ -75,6 +81,7 @@ class TtftEstimator:
         *,
         link: str | None = None,
         saturation_penalty_s: float = DEFAULT_SATURATION_PENALTY_S,
+        memory: MemoryPricing | None = None,
     ) -> None:
         if link is not None and link not in profile.links_gbps:
             raise ValueError(f"link {link!r} not in profile {profile.name!r} (has {sorted(profile.links_gbps)})")
@@ -82,6 +89,7 @@ class TtftEstimator:
         self.request = request
         self.link = link
         self.saturation_penalty_s = saturation_penalty_s
+        self.memory = memory
         self._prompt = request.prompt_tokens
         self._block_size = request.block_size
         self._inv_prefill_rate = 1.0 / profile.prefill_tokens_per_s
@@ -163,6 +171,7 @@ class TtftEstimator:
         else:
             src_blocks, src_tokens, src_tier, pull_prefill = 0, 0, Tier.GPU, 0.0
         pull_memo: dict[tuple[int, Tier], float] = {}  # most nodes hold nothing: one transfer price
+        memory, total_blocks = self.memory, self.request.total_blocks
         out: list[CandidateCost] = []
         append = out.append
         for nv in nodes:
@@ -173,6 +182,11 @@ class TtftEstimator:
             own = cached_tokens(blocks)
             transfer = stage_s(own, tier)
             prefill = prefill_s(own)
+            memory_s, survival = 0.0, 1.0
+            if memory is not None:
+                survival, memory_s = memory.price(nv, total_blocks)
+                if survival < 1.0:  # expected prefill: the hit is gone with probability 1 - survival
+                    prefill = survival * prefill + (1.0 - survival) * prefill_s(0)
             via_pull = False
             if src_blocks - blocks >= min_pull_blocks and nv.node.transfer_endpoint:
                 pull_transfer = pull_memo.get((own, tier))
@@ -184,7 +198,7 @@ class TtftEstimator:
             append(
                 CandidateCost(
                     node.node_id, node.address, blocks, tier, load.inflight,
-                    queue, transfer, prefill, queue + transfer + prefill, via_pull,
+                    queue, transfer, prefill, queue + transfer + prefill, via_pull, memory_s, survival,
                 )
             )
         return out

@@ -6,6 +6,12 @@ missing blocks + prefill of the rest`` (``cost_model``). The smallest wins. Pull
 prefix spreads: once its owner is saturated, a copy to an idle node is cheaper than the owner's
 queue, and the next request finds two owners.
 
+Memory is a cost too (``memory_value`` > 0, the default; ``gateway.policy.memory``): a node is
+ranked by its estimated TTFT plus the future prefill of the blocks it would evict, with its own
+hit discounted by the chance it survives the queue ahead. On a full fleet that keeps a prefix on
+its owner unless the owner's queue costs more than a second copy takes from everyone else; with
+memory to spare it changes nothing. ``kvgate_nopull`` prices no memory (a baseline, as it was).
+
 Decisions that differ by less than ``tie_tolerance_s`` (1 ms) are ties, broken towards the less
 loaded node, then by a hash of (node, prompt) (``base.spread``): the model is not accurate to a millisecond, and spreading near-equal
 work is what keeps queues short. For the same reason a node only pulls when the pull beats its
@@ -26,6 +32,7 @@ from gateway.policy.base import (
     no_nodes,
 )
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
+from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
 from gateway.profile import HardwareProfile
 from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingRequest
 
@@ -47,6 +54,7 @@ class KvgatePolicy:
         fallbacks: int = DEFAULT_FALLBACKS,
         saturation_penalty_s: float = DEFAULT_SATURATION_PENALTY_S,
         tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
+        memory_value: float = DEFAULT_MEMORY_VALUE,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -56,6 +64,8 @@ class KvgatePolicy:
             raise ValueError(f"saturation_penalty_s must be >= 0, got {saturation_penalty_s!r}")
         if not tie_tolerance_s >= 0:
             raise ValueError(f"tie_tolerance_s must be >= 0, got {tie_tolerance_s!r}")
+        if isinstance(memory_value, bool) or not isinstance(memory_value, int | float) or not memory_value >= 0:
+            raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -63,6 +73,7 @@ class KvgatePolicy:
         self.fallbacks = check_fallbacks(fallbacks)
         self.saturation_penalty_s = float(saturation_penalty_s)
         self.tie_tolerance_s = float(tie_tolerance_s)
+        self.memory_value = float(memory_value)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -70,7 +81,10 @@ class KvgatePolicy:
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
-        est = TtftEstimator(profile, request, link=self.link, saturation_penalty_s=self.saturation_penalty_s)
+        memory = MemoryPricing(profile, request.block_size, self.memory_value) if self.memory_value > 0 else None
+        est = TtftEstimator(
+            profile, request, link=self.link, saturation_penalty_s=self.saturation_penalty_s, memory=memory
+        )
         source = pull_source(nodes) if self.allow_pull else None
         tol = self.tie_tolerance_s
 
@@ -115,10 +129,11 @@ def rank_candidates(
 ) -> list[int]:
     """Indices of the best ``count`` candidates, best first.
 
-    Costs within ``tol`` of the cheapest are tied and ordered least loaded first (then by the
+    Ranked by ``score`` (TTFT plus memory, which is 0 when memory is not priced). Costs within
+    ``tol`` of the cheapest are tied and ordered least loaded first (then by the
     spread hash); the others follow by cost (then node_id, the view's order).
     """
-    totals = [c.total_s for c in costs]
+    totals = [c.score for c in costs]
     floor = min(totals) + tol
     tied = [i for i, t in enumerate(totals) if t <= floor]
     if len(tied) > 1:

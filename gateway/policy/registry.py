@@ -13,10 +13,16 @@ from gateway.policy.prefix_only import PrefixOnlyPolicy
 from gateway.policy.round_robin import RoundRobinPolicy
 
 
+_NOT_FOR_NOPULL = ("allow_pull", "memory_value")  # kvgate_nopull is the baseline: no pulls, memory free
+
+
 def _kvgate_nopull(**options: Any) -> KvgatePolicy:
-    if "allow_pull" in options:
-        raise ValueError("kvgate_nopull never pulls: option 'allow_pull' is not accepted (use policy 'kvgate')")
-    return KvgatePolicy(name="kvgate_nopull", allow_pull=False, **options)
+    for option in _NOT_FOR_NOPULL:
+        if option in options:
+            raise ValueError(
+                f"kvgate_nopull never pulls and prices no memory: option {option!r} is not accepted (use policy 'kvgate')"
+            )
+    return KvgatePolicy(name="kvgate_nopull", allow_pull=False, memory_value=0.0, **options)
 
 
 # name -> (factory, options it accepts). The option lists are what config and error messages show.
@@ -34,7 +40,7 @@ POLICY_NAMES: tuple[str, ...] = tuple(_FACTORIES)
 def policy_options(name: str) -> tuple[str, ...]:
     """Keyword options ``make_policy(name, ...)`` accepts."""
     if name == "kvgate_nopull":
-        return tuple(o for o in policy_options("kvgate") if o != "allow_pull")
+        return tuple(o for o in policy_options("kvgate") if o not in _NOT_FOR_NOPULL)
     factory = _FACTORIES[name]
     params = inspect.signature(factory).parameters
     return tuple(p for p in params if p != "name")

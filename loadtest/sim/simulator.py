@@ -304,22 +304,33 @@ class Simulator:
             self.feeds[node.node_id].apply(events)
 
     def _step_end(self, node: SimNode, on_request) -> None:  # type: ignore[no-untyped-def]
-        now = self.now
-        step = node.step
-        assert step is not None
-        result = node.scheduler.complete(step, now)
-        self._events(node, result.events)
-        pending = self._pending
-        for out in result.outputs:
-            if out.generated == 1:
-                ctx = pending[out.request.request_id]
-                ctx.record.ttft_s = now - ctx.arrival
-        for r in result.finished:
-            ctx = pending.pop(r.request_id)
-            self._finish(ctx, now, on_request)
-        node.step = None
-        if node.scheduler.has_work():
-            self._start_step(node)
+        """Apply the node's step; while its next step ends before anything else happens, run that
+        one at once too (what popping it from the queue next would do, without the queue)."""
+        pending, heap = self._pending, self._heap
+        while True:
+            now = self.now
+            step = node.step
+            assert step is not None
+            result = node.scheduler.complete(step, now)
+            self._events(node, result.events)
+            for out in result.outputs:
+                if out.generated == 1:
+                    ctx = pending[out.request.request_id]
+                    ctx.record.ttft_s = now - ctx.arrival
+            for r in result.finished:
+                ctx = pending.pop(r.request_id)
+                self._finish(ctx, now, on_request)
+            node.step = None
+            if not node.scheduler.has_work():
+                return
+            step = node.step = node.scheduler.schedule(now)
+            if step is None:
+                return
+            end = now + step.duration_s
+            if heap and heap[0][0] <= end:  # something else comes first (or ties, and was queued first)
+                self._push(end, STEP_END, node)
+                return
+            self.now = end
 
     def _finish(self, ctx: _Ctx, now: float, on_request) -> None:  # type: ignore[no-untyped-def]
         r, rec = ctx.sim, ctx.record

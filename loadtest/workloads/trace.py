@@ -18,6 +18,7 @@ import gzip
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -60,10 +61,13 @@ def load_trace(path: str | Path | None = None, *, limit: int | None = None) -> l
     return out
 
 
+@lru_cache(maxsize=32768)  # the trace's prefixes repeat: most blocks are drawn once (~64 MiB at most)
 def block_tokens(hash_id: int) -> np.ndarray:
-    """The 512 token IDs that stand for trace block ``hash_id`` (the same on every call)."""
+    """The 512 token IDs that stand for trace block ``hash_id`` (the same on every call; read-only)."""
     rng = np.random.Generator(np.random.PCG64(_SEED_SALT ^ hash_id))
-    return rng.integers(TOKEN_LOW, TOKEN_HIGH, size=TRACE_BLOCK_TOKENS, dtype=np.uint32)
+    ids = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=TRACE_BLOCK_TOKENS, dtype=np.uint32)
+    ids.flags.writeable = False
+    return ids
 
 
 def prompt_tokens(record: TraceRecord) -> np.ndarray:
