@@ -18,6 +18,12 @@ $(HELM_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e '.[helm-test]'
 	touch $(HELM_STAMP)
 
+# The peer router the bench and replay tests run (sglang-router, Rust wheel): only `make test` needs it.
+LOADTEST_STAMP := $(VENV)/.installed-loadtest
+$(LOADTEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e '.[loadtest]'
+	touch $(LOADTEST_STAMP)
+
 # System packages the tests load, from Debian's registry when missing: libibverbs (Mooncake's
 # transfer engine links it even for TCP) and Chromium (the dashboard test renders the page).
 SYSDEPS := $(VENV)/.installed-sysdeps
@@ -45,7 +51,7 @@ demo: $(STAMP)
 
 # The long chaos suite (tests/chaos, ~2 min) runs under `make chaos`; `make test` keeps its
 # short subset (tests marked chaos_short, ~50 s).
-test: $(STAMP) $(HELM_STAMP) $(SYSDEPS) $(VLLM_STAMP)
+test: $(STAMP) $(HELM_STAMP) $(LOADTEST_STAMP) $(SYSDEPS) $(VLLM_STAMP)
 	KVGATE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q -p no:cacheprovider -m "not chaos" $(PYTEST_ARGS)
 
 chaos: $(STAMP) $(SYSDEPS)

@@ -79,10 +79,12 @@ class BackgroundTokenizer:
         loop = asyncio.get_running_loop()
         try:
             future = self._start().submit(self._encode_fn(), texts)
-        except Exception as e:  # e.g. no worker process can start: the request is answered anyway
+        except Exception as e:  # no worker process can start here: the request is answered anyway
             metrics.BACKGROUND_TOKENIZE.labels("failed").inc()
-            log.warning("background tokenization could not start: %s", e)
             self.close()
+            if self.worker == "process":
+                log.warning("no background tokenization process could start (%s); using a thread instead", e)
+                self.worker = "thread"
             return False
         self._pending += 1
         metrics.BACKGROUND_TOKENIZE.labels("queued").inc()

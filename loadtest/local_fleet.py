@@ -15,7 +15,6 @@ stay up; ``reset_caches`` empties every engine's prefix cache between runs. Ever
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from gateway.envoy_config import EnvoySettings, render_yaml
+from loadtest.policies import check_prerequisites
 from loadtest.procs import ManagedProcess, envoy_binary, free_port, free_ports, python_module
 from loadtest.prom import counter_value
 
@@ -277,8 +277,7 @@ class LocalFleet:
         return Gateway("kvgate", envoy.url, f"http://127.0.0.1:{admin}/metrics", procs=[serve, *envoy.procs])
 
     def _sglang(self, policy: str) -> Gateway:
-        if importlib.util.find_spec("sglang_router") is None:
-            raise RuntimeError("the sglang peer needs the sglang-router package: pip install -e '.[loadtest]'")
+        check_prerequisites(["sglang"])
         port = free_port()
         args = [
             "--host", "127.0.0.1", "--port", str(port), "--policy", policy,

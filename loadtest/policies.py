@@ -17,6 +17,8 @@ runs; ``round_robin`` and ``least_request`` are then kvgate's implementations of
 
 from __future__ import annotations
 
+import importlib.util
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gateway.policy import POLICY_NAMES
@@ -38,6 +40,8 @@ REPLAY_POLICIES: dict[str, ReplayGateway] = {
     "sglang": ReplayGateway("sglang", policy="cache_aware"),
 }
 
+SGLANG_MISSING = "the sglang peer needs the sglang-router package: pip install -e '.[loadtest]'"
+
 ORACLE = "oracle"
 ORACLE_POOL = "oracle_pool"
 SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, ORACLE, ORACLE_POOL)
@@ -52,3 +56,27 @@ def parse_policies(text: str, allowed: tuple[str, ...] | list[str]) -> list[str]
     if not names:
         raise ValueError("no policy given")
     return list(dict.fromkeys(names))
+
+
+def missing_prerequisites(kinds: Iterable[str]) -> list[str]:
+    """What the given gateway kinds (``envoy``, ``kvgate``, ``sglang``) need and this machine lacks,
+    one message each, so a run stops before its first policy rather than in the middle."""
+    from loadtest.procs import envoy_binary
+
+    problems: list[str] = []
+    wanted = set(kinds)
+    if wanted & {"envoy", "kvgate"}:
+        try:
+            envoy_binary()
+        except FileNotFoundError as e:
+            problems.append(str(e))
+    if "sglang" in wanted and importlib.util.find_spec("sglang_router") is None:
+        problems.append(SGLANG_MISSING)
+    return problems
+
+
+def check_prerequisites(kinds: Iterable[str]) -> None:
+    """``missing_prerequisites`` as a ``RuntimeError`` naming every missing piece."""
+    problems = missing_prerequisites(kinds)
+    if problems:
+        raise RuntimeError("; ".join(problems))

@@ -28,11 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from gateway.profile import load_profile
 from loadtest.accounting import fill_seen_tokens
 from loadtest.local_fleet import FleetOptions, LocalFleet, http, wait_until
-from loadtest.policies import REPLAY_POLICIES, parse_policies
+from loadtest.policies import REPLAY_POLICIES, check_prerequisites, parse_policies
 from loadtest.prom import bucket_delta, counter_value, histogram_buckets, histogram_quantile
 from loadtest.report import print_results, wide_console, write_json, write_report
 from loadtest.runner import run_workload
@@ -124,6 +125,8 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
     policies = parse_policies(args.policies, list(REPLAY_POLICIES))
     if args.attach and len(policies) != 1:
         raise ValueError("--attach measures whatever gateway runs at the URL: give exactly one --policies name")
+    if not args.attach:  # every policy's gateway must be runnable before the first one runs
+        check_prerequisites(REPLAY_POLICIES[name].kind for name in policies)
     profile = load_profile(args.profile)
     console.print("[bold]building the workload[/] (tokenizer loads once)")
     tokenizer = PromptTokenizer()
@@ -202,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result, samples = replay(args, console)
     except (ValueError, FileNotFoundError, TimeoutError, RuntimeError) as e:
-        console.print(f"[red]kvgate loadtest replay: {e}[/]")
+        console.print(f"[red]kvgate loadtest replay: {escape(str(e))}[/]")  # the message may hold [brackets]
         return 2
     emit(result, samples, args, console)
     return 0

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.profile import load_profile
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result, samples = simulate(args, console)
     except (ValueError, FileNotFoundError) as e:
-        console.print(f"[red]kvgate loadtest simulate: {e}[/]")
+        console.print(f"[red]kvgate loadtest simulate: {escape(str(e))}[/]")
         return 2
     emit(result, samples, args, console)
     return 0

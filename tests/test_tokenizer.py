@@ -330,3 +330,22 @@ async def test_concurrent_async_calls_share_the_cache_safely(pt: PromptTokenizer
     results = await asyncio.gather(*(pt.tokenize_body_async(CHAT, b) for b in bodies))
     for body, out in zip(bodies, results):
         assert out.token_ids.tolist() == whole(pt, pt.render_chat(body["messages"]), special=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(-3, 129283), st.booleans(), st.floats(allow_nan=False), st.integers(2**31, 2**70)),
+                min_size=1, max_size=40))
+def test_token_id_arrays_take_exactly_the_valid_ids(ids: list) -> None:
+    """The one-pass conversion accepts a list exactly when every element is an int in the
+    vocabulary (no bools, floats or out-of-range values), and then keeps every ID."""
+    from tokenizer.openai_body import token_ids_array
+
+    valid = all(type(v) is int and 0 <= v < 129280 for v in ids)
+    try:
+        arr = token_ids_array(ids, vocab_size=129280, where="'prompt'")
+    except InvalidPrompt as e:
+        assert not valid, e
+        bad = next(i for i, v in enumerate(ids) if not (type(v) is int and 0 <= v < 129280))
+        assert f"'prompt'[{bad}]" in str(e)  # the first bad element is the one named
+    else:
+        assert valid and arr.dtype == np.uint32 and arr.tolist() == ids

@@ -12,6 +12,7 @@ validated in full; the others must have the same kind.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,22 +64,34 @@ def _optional_bool(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def token_ids_array(ids: list[Any], *, vocab_size: int, where: str) -> np.ndarray:
-    """A list of token IDs as uint32, refusing non-integers (bools, floats) and out-of-vocabulary IDs."""
+    """A list of token IDs as uint32, refusing non-integers (bools, floats) and out-of-vocabulary IDs.
+
+    One C pass (``array('I', …)``) converts and refuses floats, strings, negatives and IDs past
+    2**32 at once; bools (which it would take as 0 and 1) are looked for only where a 0 or a 1 is.
+    Checking every element's type in Python first cost several times more for a 128k-token prompt.
+    """
     if not ids:
         raise InvalidPrompt(f"{where} must not be empty")
-    if set(map(type, ids)) != {int}:  # type(), not isinstance: JSON true/false are bools, not IDs
-        bad = next(i for i, t in enumerate(ids) if type(t) is not int)
-        raise InvalidPrompt(f"{where}[{bad}] must be an integer token ID, got {ids[bad]!r}")
     try:
-        arr = np.fromiter(ids, dtype=np.int64, count=len(ids))
-    except OverflowError:
-        bad = next(i for i, t in enumerate(ids) if not -(2**63) <= t < 2**63)
-        raise InvalidPrompt(f"{where}[{bad}] is not a valid token ID: {ids[bad]} (vocabulary size {vocab_size})") from None
-    bad_mask = (arr < 0) | (arr >= vocab_size)
-    if bad_mask.any():
-        bad = int(np.argmax(bad_mask))
-        raise InvalidPrompt(f"{where}[{bad}] is not a valid token ID: {ids[bad]} (vocabulary size {vocab_size})")
-    return arr.astype(np.uint32)
+        arr = np.frombuffer(array("I", ids), dtype=np.uint32)
+    except (TypeError, OverflowError):
+        raise _refusal(ids, vocab_size=vocab_size, where=where) from None
+    # JSON true/false are bools, not IDs
+    first_bool = next((i for i in np.flatnonzero(arr <= 1).tolist() if type(ids[i]) is not int), len(ids))
+    out_of_vocab = arr >= vocab_size
+    if first_bool < len(ids) or out_of_vocab.any():
+        raise _refusal(ids[: first_bool + 1], vocab_size=vocab_size, where=where)  # names the first bad one
+    return arr
+
+
+def _refusal(ids: list[Any], *, vocab_size: int, where: str) -> InvalidPrompt:
+    """The error naming the first element that is not an integer, or not an ID."""
+    for i, v in enumerate(ids):
+        if type(v) is not int:  # type(), not isinstance: JSON true/false are bools, not IDs
+            return InvalidPrompt(f"{where}[{i}] must be an integer token ID, got {v!r}")
+        if not 0 <= v < vocab_size:
+            return InvalidPrompt(f"{where}[{i}] is not a valid token ID: {v} (vocabulary size {vocab_size})")
+    return InvalidPrompt(f"{where} must be an array of token IDs")
 
 
 def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:

@@ -1,0 +1,235 @@
+"""``kvgate bench overhead --prompt-tokens 1k,8k,32k,128k``: what a prompt's length costs kvgate.
+
+Three kinds of request per size, each sent through plain Envoy and through Envoy + kvgate over
+ext_authz (the same bodies), at concurrency 1 and with ``concurrency`` in flight:
+
+- ``chat``: a continuing chat — a history of that size seen before (sent once beforehand), plus one
+  new short turn. It should cost what the new turn costs, not what the history costs.
+- ``fresh``: a prompt of that size never seen (every request is different text).
+- ``tokens``: the continuing chat's token IDs given as the prompt (``/v1/completions``).
+
+The text kinds also go through sglang-router (when it is a target), which must read the whole
+body to route as kvgate must: the part of a long prompt's cost that is the body's trip through a
+buffering proxy shows in both.
+
+Per cell: latency p50/p99 and what kvgate adds over plain Envoy, kvgate's decision p50/p99 (its
+``kvgate_decision_seconds{stage="total"}`` histogram, interpolated in its buckets), kvgate's CPU
+per request on the request path (the serve process) and in the background worker (its children),
+and Envoy's. ``interference`` then measures the p99 of continuing 1k chats alone and while fresh
+prompts of the largest size arrive back to back: a fresh prompt must not hold up the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import aiohttp
+from rich.console import Console
+from rich.table import Table
+
+from gateway.bench_cmd import cpu_seconds, percentiles, post, run_requests
+from loadtest.prom import bucket_delta, counter_value, histogram_buckets, histogram_quantile
+from tokenizer import PromptTokenizer
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CONVERSATIONS = 4
+KINDS = ("chat", "fresh", "tokens")
+
+
+class Bodies:
+    """Request bodies of a given prompt length, sized with the gateway's own tokenizer."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.tok = PromptTokenizer()
+
+    @staticmethod
+    def _sentence(tag: str, i: int) -> str:
+        return f"{tag}: paragraph {i} records that shipment {i * 13 % 997} left port {i % 17} on time."
+
+    def doc(self, tag: str, tokens: int) -> str:
+        n = tokens // 20
+        for _ in range(2):  # sentence lengths vary with the tag and the numbers in them: sample the range
+            sample = " ".join(self._sentence(tag, i) for i in range(0, n, max(n // 50, 1)))
+            per_sentence = len(self.tok.encode_text(sample, add_special_tokens=False)) / len(range(0, n, max(n // 50, 1)))
+            n = max(int((tokens - 60) / per_sentence), 1)  # room for the template and the new turn
+        return " ".join(self._sentence(tag, i) for i in range(n))
+
+    def _messages(self, history: str, turn: int) -> list[dict]:
+        return [
+            {"role": "system", "content": "You are a careful analyst."},
+            {"role": "user", "content": history + "\nSummarise the shipments."},
+            {"role": "assistant", "content": "Most shipments left on time; a few ports dominate."},
+            {"role": "user", "content": f"Question {turn}: which port shipped most in week {turn}?"},
+        ]
+
+    def chat(self, history: str, turn: int) -> bytes:
+        return json.dumps({"model": self.model, "messages": self._messages(history, turn), "max_tokens": 8}).encode()
+
+    def fresh(self, tag: str, tokens: int) -> bytes:
+        messages = [{"role": "user", "content": self.doc(tag, tokens)}]
+        return json.dumps({"model": self.model, "messages": messages, "max_tokens": 8}).encode()
+
+    def token_ids(self, history: str, turn: int) -> bytes:
+        ids = self.tok.tokenize_body(CHAT, {"model": self.model, "messages": self._messages(history, turn)}).token_ids
+        return json.dumps({"model": self.model, "prompt": ids.tolist(), "max_tokens": 8}).encode()
+
+    def prompt_tokens(self, path: str, body: bytes) -> int:
+        return len(self.tok.tokenize_body(path, json.loads(body)).token_ids)
+
+
+async def _scrape(s: aiohttp.ClientSession, admin_url: str) -> str:
+    async with s.get(admin_url + "/metrics") as r:
+        return await r.text()
+
+
+async def _background_idle(s: aiohttp.ClientSession, admin_url: str, timeout_s: float = 120.0) -> None:
+    """Wait until kvgate has no prompt pending in the background (so a history counts as seen)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = await _scrape(s, admin_url)
+        pending = [line for line in text.splitlines() if line.startswith("kvgate_background_tokenize_pending ")]
+        if not pending or float(pending[0].rsplit(" ", 1)[1]) == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("kvgate's background tokenization did not drain")
+
+
+def _decision_ms(before: str, after: str) -> dict[str, float | None]:
+    labels = {"stage": "total"}
+    name = "kvgate_decision_seconds"
+    delta = bucket_delta(histogram_buckets(after, name, labels), histogram_buckets(before, name, labels))
+    out: dict[str, float | None] = {}
+    for key, q in (("decision_p50_ms", 0.5), ("decision_p99_ms", 0.99)):
+        v = histogram_quantile(q, delta)
+        out[key] = None if v is None else v * 1000
+    return out
+
+
+async def _cell(
+    s: aiohttp.ClientSession, urls: dict[str, str], path: str, bodies: Sequence[bytes], concurrency: int,
+    *, kvgate_pid: int, envoy_pid: int, admin_url: str, sglang_pid: int | None,
+) -> dict:
+    """The same bodies through plain Envoy, then through kvgate (and sglang-router, for text
+    prompts: it refuses token IDs); each one's figures and what it adds over plain Envoy."""
+    base = percentiles(await run_requests(s, urls["envoy"] + path, bodies, concurrency))
+    peer: dict = {}
+    if sglang_pid is not None and path == CHAT:
+        c0 = cpu_seconds(sglang_pid, children=False)
+        got = percentiles(await run_requests(s, urls["sglang"] + path, bodies, concurrency))
+        peer = {
+            "sglang_p50_ms": got["p50_ms"], "sglang_p99_ms": got["p99_ms"],
+            "sglang_added_p50_ms": got["p50_ms"] - base["p50_ms"], "sglang_added_p99_ms": got["p99_ms"] - base["p99_ms"],
+            "sglang_cpu_ms_per_request": (cpu_seconds(sglang_pid) - c0) * 1000 / len(bodies),
+        }
+    m0 = await _scrape(s, admin_url)
+    kv0, bg0, e0 = cpu_seconds(kvgate_pid), cpu_seconds(kvgate_pid, children=True), cpu_seconds(envoy_pid)
+    lat = await run_requests(s, urls["kvgate"] + path, bodies, concurrency)
+    await _background_idle(s, admin_url)  # the background work these requests caused, all of it
+    kv1, bg1, e1 = cpu_seconds(kvgate_pid), cpu_seconds(kvgate_pid, children=True), cpu_seconds(envoy_pid)
+    m1 = await _scrape(s, admin_url)
+    n = len(bodies)
+    got = percentiles(lat)
+    return {
+        **got,
+        "envoy_p50_ms": base["p50_ms"], "envoy_p99_ms": base["p99_ms"],
+        "added_p50_ms": got["p50_ms"] - base["p50_ms"], "added_p99_ms": got["p99_ms"] - base["p99_ms"],
+        **_decision_ms(m0, m1),
+        "failed_open": counter_value(m1, "kvgate_fail_open") - counter_value(m0, "kvgate_fail_open"),
+        "cpu_ms_per_request": (kv1 - kv0) * 1000 / n,
+        "background_cpu_ms_per_request": (bg1 - bg0) * 1000 / n,
+        "envoy_cpu_ms_per_request": (e1 - e0) * 1000 / n,
+        "requests": n,
+        **peer,
+    }
+
+
+async def sweep(
+    sizes: Sequence[int], *, envoy_url: str, kvgate_url: str, kvgate_pid: int, envoy_pid: int, admin_url: str,
+    requests: int, concurrency: int, model: str, sglang_url: str | None = None, sglang_pid: int | None = None,
+) -> dict:
+    """Every kind × size × (1, ``concurrency``), then the interference run; the figures as a dict."""
+    make = Bodies(model)
+    urls = {"envoy": envoy_url, "kvgate": kvgate_url, "sglang": sglang_url or ""}
+    out: dict = {"cells": [], "concurrency": concurrency}
+    loaded = max(requests, 3 * concurrency)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        for size in sizes:
+            histories = [make.doc(f"Chat {size}-{c}", size) for c in range(CONVERSATIONS)]
+            for c, history in enumerate(histories):  # seen before: one earlier turn of each chat
+                await post(s, urls["kvgate"] + CHAT, make.chat(history, -1))
+                await _background_idle(s, admin_url)
+            for conc, n in ((1, requests), (concurrency, loaded)):
+                kinds = {
+                    "chat": (CHAT, [make.chat(histories[i % CONVERSATIONS], i) for i in range(n)]),
+                    "fresh": (CHAT, [make.fresh(f"Fresh {size}-{conc}-{i}", size) for i in range(n)]),
+                    "tokens": (COMPLETIONS, [make.token_ids(histories[i % CONVERSATIONS], i) for i in range(n)]),
+                }
+                for kind, (path, bodies) in kinds.items():
+                    cell = await _cell(s, urls, path, bodies, conc, kvgate_pid=kvgate_pid, envoy_pid=envoy_pid,
+                                       admin_url=admin_url, sglang_pid=sglang_pid)
+                    cell.update(kind=kind, size=size, concurrency=conc, prompt_tokens=make.prompt_tokens(path, bodies[0]))
+                    out["cells"].append(cell)
+        out["interference"] = await _interference(s, urls["kvgate"], make, max(sizes), 2 * requests, admin_url)
+    return out
+
+
+async def _interference(s: aiohttp.ClientSession, url: str, make: Bodies, size: int, n: int, admin_url: str) -> dict:
+    """p50/p99 of continuing 1k chats at concurrency 1, alone and while fresh ``size`` prompts
+    arrive back to back on another connection."""
+    history = make.doc("Interference chat", 1000)
+    await post(s, url + CHAT, make.chat(history, -1))
+    normal = [make.chat(history, i) for i in range(n)]
+    alone = percentiles(await run_requests(s, url + CHAT, normal, 1))
+    stop = asyncio.Event()
+    fresh_lat: list[float] = []
+    flood_bodies = [make.fresh(f"Flood {i}", size) for i in range(n)]  # built before: the client must not stall
+
+    async def flood() -> None:
+        for body in flood_bodies:
+            if stop.is_set():
+                return
+            fresh_lat.append(await post(s, url + CHAT, body))
+
+    task = asyncio.create_task(flood())
+    await asyncio.sleep(0.2)
+    try:
+        busy = percentiles(await run_requests(s, url + CHAT, normal, 1))
+    finally:
+        stop.set()
+        await task
+    await _background_idle(s, admin_url)
+    return {
+        "fresh_tokens": size, "fresh_requests": len(fresh_lat), "fresh": percentiles(fresh_lat),
+        "alone": alone, "with_fresh": busy, "p99_rise_ms": busy["p99_ms"] - alone["p99_ms"],
+    }
+
+
+def print_sweep(result: dict, console: Console) -> None:
+    table = Table(title="prompt-length sweep through Envoy + kvgate ext_authz (added = over plain Envoy, same bodies)")
+    cols = ("kind", "tokens", "in flight", "p50 ms", "p99 ms", "added p50", "added p99", "decision p50", "decision p99",
+            "kvgate CPU ms/req", "background CPU ms/req", "Envoy CPU ms/req", "sglang added p50", "sglang added p99",
+            "sglang CPU ms/req")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "kind" else "right")
+    for c in result["cells"]:
+        table.add_row(
+            c["kind"], f"{c['prompt_tokens']:,}", str(c["concurrency"]), f"{c['p50_ms']:.2f}", f"{c['p99_ms']:.2f}",
+            f"{c['added_p50_ms']:+.2f}", f"{c['added_p99_ms']:+.2f}",
+            "" if c["decision_p50_ms"] is None else f"{c['decision_p50_ms']:.2f}",
+            "" if c["decision_p99_ms"] is None else f"{c['decision_p99_ms']:.2f}",
+            f"{c['cpu_ms_per_request']:.3f}", f"{c['background_cpu_ms_per_request']:.3f}", f"{c['envoy_cpu_ms_per_request']:.3f}",
+            *((f"{c['sglang_added_p50_ms']:+.2f}", f"{c['sglang_added_p99_ms']:+.2f}", f"{c['sglang_cpu_ms_per_request']:.3f}")
+              if "sglang_p50_ms" in c else ("", "", "")),
+        )
+    console.print(table)
+    i = result["interference"]
+    console.print(
+        f"interference: 1k continuing chats p50/p99 {i['alone']['p50_ms']:.2f}/{i['alone']['p99_ms']:.2f} ms alone, "
+        f"{i['with_fresh']['p50_ms']:.2f}/{i['with_fresh']['p99_ms']:.2f} ms while {i['fresh_requests']} fresh "
+        f"{i['fresh_tokens']:,}-token prompts arrived (their p99 {i['fresh']['p99_ms']:.1f} ms): "
+        f"p99 rise {i['p99_rise_ms']:+.2f} ms"
+    )
