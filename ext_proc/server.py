@@ -30,6 +30,7 @@ from gateway import metrics
 from gateway.core import RouteResult, RoutingCore
 from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
+from gateway.prediction import predict
 
 log = logging.getLogger("kvgate.ext_proc")
 
@@ -55,6 +56,20 @@ def routed_response(result: RouteResult) -> bytes:
     return resp.SerializeToString()
 
 
+def prediction_response(result: RouteResult | None) -> bytes:
+    """Response-header phase: add the prediction headers to a routed request whose keys are its
+    tenant's alone (it carried a cache_salt); anything else passes unchanged."""
+    salted = result is not None and result.request is not None and result.request.salted
+    prediction = predict(result) if salted else None
+    if prediction is None:
+        return responses.RESPONSE_HEADERS_CONTINUE
+    resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    add = resp.response_headers.response.header_mutation.set_headers.add
+    for key, value in prediction.headers():
+        add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return resp.SerializeToString()
+
+
 def immediate_response(status: int, body: bytes) -> bytes:
     """Answer the client directly (a rejected request): the request never reaches a node."""
     imm = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status), body=body, details="kvgate_rejected")
@@ -63,10 +78,17 @@ def immediate_response(status: int, body: bytes) -> bytes:
 
 
 class ExtProcService:
-    """The ``Process`` bidi stream; stateless across streams."""
+    """The ``Process`` bidi stream; stateless across streams.
 
-    def __init__(self, core: RoutingCore) -> None:
+    ``prediction_headers``: ask Envoy for each inference response's headers and add the
+    prediction headers there (``prediction.response_headers``); costs a message per request.
+    """
+
+    def __init__(self, core: RoutingCore, *, prediction_headers: bool = False) -> None:
         self.core = core
+        self.headers_continue = (
+            responses.HEADERS_CONTINUE_SEND_RESPONSE_HEADERS if prediction_headers else responses.HEADERS_CONTINUE
+        )
 
     async def process(self, _request_iterator, context: grpc.aio.ServicerContext) -> None:
         result: RouteResult | None = None
@@ -74,8 +96,8 @@ class ExtProcService:
         try:
             result = await self._exchange(context)
             # Wait for Envoy to close the stream: that is the end of the HTTP exchange.
-            while await context.read() is not grpc.aio.EOF:
-                await context.write(responses.EMPTY)
+            while (msg := await context.read()) is not grpc.aio.EOF:
+                await context.write(prediction_response(result) if msg.HasField("response_headers") else responses.EMPTY)
         except asyncio.CancelledError:
             end = "cancelled"
             raise
@@ -106,7 +128,7 @@ class ExtProcService:
             await context.write(immediate_response(400, responses.EMPTY_BODY_ERROR))
             metrics.REJECTED.labels("400").inc()
             return None
-        await context.write(responses.HEADERS_CONTINUE)
+        await context.write(self.headers_continue)
 
         body = bytearray()
         while True:
@@ -132,9 +154,9 @@ class ExtProcService:
         return result
 
 
-def build_server(core: RoutingCore, address: str) -> grpc.aio.Server:
+def build_server(core: RoutingCore, address: str, *, prediction_headers: bool = False) -> grpc.aio.Server:
     """A grpc.aio server with the ext_proc service bound to ``address`` (host:port)."""
-    service = ExtProcService(core)
+    service = ExtProcService(core, prediction_headers=prediction_headers)
     handler = grpc.method_handlers_generic_handler(
         SERVICE,
         {

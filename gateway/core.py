@@ -245,6 +245,7 @@ class RoutingCore:
             total_blocks=len(keys),
             block_size=lim.block_size,
             request_id=request_id,
+            salted=prompt.cache_salt is not None,
             affinity=int(keys[-1]) if len(keys) else seed ^ xxhash.xxh3_64_intdigest(prompt.token_ids.tobytes()),
         )
         t2 = time.perf_counter()
@@ -280,6 +281,7 @@ class RoutingCore:
             total_blocks=head.estimated_tokens // lim.block_size,
             block_size=lim.block_size,
             request_id=request_id,
+            salted=head.cache_salt is not None,
             affinity=int(keys[-1]),
         )
         t2 = time.perf_counter()

@@ -143,7 +143,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))
     bridges = embedded_bridges(cfg, directory)
     discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
-    grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
+    grpc_server = build_server(
+        core, f"{cfg.listen_host}:{cfg.ext_proc_port}", prediction_headers=cfg.prediction.response_headers
+    ) if cfg.ext_proc_enabled else None
     authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None

@@ -22,6 +22,7 @@ class RoutingRequest:
     total_blocks: int  # full blocks of the prompt (len(keys))
     block_size: int
     request_id: str = ""
+    salted: bool = False  # carried a cache_salt: its block keys are its tenant's alone
     affinity: int = 0
     """Spreads ties: equally good nodes are ordered by a hash of (node, affinity). The gateway
     passes the prompt's last block key, so distinct conversations spread over idle nodes while
