@@ -31,6 +31,7 @@ from gateway.core import RouteResult, RoutingCore
 from gateway.envoy_config import DESTINATION_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 from gateway.prediction import predict
+from gateway.sessions import SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_proc")
 
@@ -144,7 +145,9 @@ class ExtProcService:
             # Only a STREAMED body arrives in parts; acknowledge each part without changes.
             await context.write(responses.BODY_CONTINUE)
 
-        result = await self.core.route(path, bytes(body), request_id, headers.get("traceparent", ""))
+        result = await self.core.route(
+            path, bytes(body), request_id, headers.get("traceparent", ""), session_header=headers.get(SESSION_HEADER, "")
+        )
         if result.kind == "routed":
             await context.write(routed_response(result))
         elif result.kind == "rejected":

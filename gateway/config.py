@@ -216,6 +216,9 @@ class PolicyConfig(_Section):
     fallbacks: int = Field(2, ge=0, description="further nodes in x-gateway-destination-endpoint")
     saturation_penalty_s: float = Field(1.0, ge=0, description="per request beyond the profile's max_num_seqs")
     tie_tolerance_s: float = Field(0.001, ge=0, description="costs this close count as tied (least loaded wins)")
+    session_slack: float = Field(
+        0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"
+    )
 
     @field_validator("name")
     @classmethod
@@ -397,6 +400,14 @@ class TracingConfig(_Section):
     service_name: str = Field("kvgate", min_length=1, description="service.name unless OTEL_SERVICE_NAME sets it")
 
 
+class SessionsConfig(_Section):
+    """Conversations named by the client (``x-session-id`` over ext_proc, or the body's
+    ``safety_identifier`` / ``user``) keep their node when a turn's prompt is not a prefix
+    extension; the ``kvgate`` policy's ``session_slack`` bounds what that may cost (gateway/sessions.py)."""
+
+    ttl_s: float = Field(1800.0, ge=0, description="how long a session's node is remembered; 0 = sessions off")
+
+
 class PredictionConfig(_Section):
     """Response headers telling a client what kvgate expects of its request; off by default.
 
@@ -469,6 +480,7 @@ class KvgateConfig(BaseSettings):
     admin: AdminConfig = AdminConfig()
     tracing: TracingConfig = TracingConfig()
     prediction: PredictionConfig = PredictionConfig()
+    sessions: SessionsConfig = SessionsConfig()
 
     @classmethod
     def settings_customise_sources(

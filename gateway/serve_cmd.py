@@ -69,6 +69,7 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_prompt_bytes=cfg.limits.max_prompt_bytes,
         models=frozenset(cfg.models),
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
+        session_ttl_s=cfg.sessions.ttl_s,
     )
 
 
