@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test chaos install vllm clean
+.PHONY: demo test chaos install vllm clean image
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -46,12 +46,31 @@ install: $(STAMP)
 
 vllm: $(VLLM_STAMP)
 
+# Docker and debootstrap for the image test (tests/test_image.py), from Debian's packages when missing.
+DOCKERDEPS := $(VENV)/.installed-docker
+$(DOCKERDEPS): $(STAMP)
+	@if ! command -v dockerd >/dev/null || ! command -v debootstrap >/dev/null; then \
+	  echo "installing docker.io and debootstrap (apt-get)"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker.io debootstrap >/dev/null; \
+	fi
+	touch $(DOCKERDEPS)
+
+# kvgate's container image (Dockerfile; docs/image.md). IMAGE is the chart's default image;
+# an empty BASE_IMAGE builds on a Debian base made here with debootstrap (no registry needed).
+# PIP_CERT: the CA bundle pip uses on this machine, handed to the build as a secret.
+IMAGE ?= kvgate:$(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+BASE_IMAGE ?=
+PIP_CERT ?= $(shell $(PY) -m pip config get global.cert 2>/dev/null)
+image:
+	IMAGE='$(IMAGE)' BASE_IMAGE='$(BASE_IMAGE)' PIP_CERT='$(PIP_CERT)' image/build.sh
+
 demo: $(STAMP)
 	$(BIN)/kvgate demo
 
 # The long chaos suite (tests/chaos, ~2 min) runs under `make chaos`; `make test` keeps its
 # short subset (tests marked chaos_short, ~50 s).
-test: $(STAMP) $(HELM_STAMP) $(LOADTEST_STAMP) $(SYSDEPS) $(VLLM_STAMP)
+test: $(STAMP) $(HELM_STAMP) $(LOADTEST_STAMP) $(SYSDEPS) $(DOCKERDEPS) $(VLLM_STAMP)
 	KVGATE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q -p no:cacheprovider -m "not chaos" $(PYTEST_ARGS)
 
 chaos: $(STAMP) $(SYSDEPS)

@@ -41,6 +41,7 @@ FASTEST_TIER: tuple[int, ...] = (0, 0, 1, 0, 2, 0, 1, 0)
 TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.STORAGE)
 ALL_TIERS_MASK = 0b111
 _IDLE = NodeLoad()
+MAX_SESSIONS = 200_000  # past it the oldest records go first (a bound on memory, not a TTL)
 
 
 class _Node:
@@ -135,6 +136,7 @@ class InProcessDirectory:
         self._loads: dict[str, _Load] = {}
         self._tokens = itertools.count(1)
         self._writers: dict[str, tuple[str, float]] = {}  # node -> (owner, lease end)
+        self._sessions: dict[str, tuple[str, float]] = {}  # session -> (node_id, expires at), oldest first
 
     @property
     def index_stride(self) -> int:
@@ -341,6 +343,24 @@ class InProcessDirectory:
                 load.expire(now)
             out[nid] = _IDLE if load is None else load.view()
         return out
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    async def session_node(self, session: str) -> str | None:
+        entry = self._sessions.get(session)
+        if entry is None:
+            return None
+        if entry[1] <= self._clock():
+            del self._sessions[session]
+            return None
+        return entry[0]
+
+    async def record_session(self, session: str, node_id: str, ttl_s: float) -> None:
+        check_node_id(node_id)
+        self._sessions.pop(session, None)  # re-inserted last: the dict stays in expiry order
+        while len(self._sessions) >= MAX_SESSIONS:
+            del self._sessions[next(iter(self._sessions))]
+        self._sessions[session] = (node_id, self._clock() + ttl_s)
 
     async def aclose(self) -> None:
         """Nothing to release; present for the protocol."""

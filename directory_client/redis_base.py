@@ -441,6 +441,16 @@ class RedisDirectoryBase(ABC):
         rows = await self._fan_out(b"")
         return {nid: NodeLoad(r[3], r[4]) if r[3] else _IDLE for nid, r in rows}
 
+    async def session_node(self, session: str) -> str | None:
+        async with self._io("session_node"):
+            raw = await self._client.get(f"{self.key_prefix}:session:{session}")
+        return raw.decode() if isinstance(raw, bytes) else raw
+
+    async def record_session(self, session: str, node_id: str, ttl_s: float) -> None:
+        check_node_id(node_id)
+        async with self._io("record_session"):
+            await self._client.set(f"{self.key_prefix}:session:{session}", node_id, px=max(1, int(ttl_s * 1000)))
+
     async def aclose(self) -> None:
         """Close the connection pool; a directory that is down closes without raising."""
         try:

@@ -17,6 +17,22 @@ HEADERS_CONTINUE_NO_BODY = pb.ProcessingResponse(
 ).SerializeToString()
 """Not an inference request: pass it through untouched; send us neither its body nor its answer."""
 
+HEADERS_CONTINUE_SEND_RESPONSE_HEADERS = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
+        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    ),
+).SerializeToString()
+"""Headers seen, send the body, and show us the response's headers (to add the prediction headers)."""
+
+RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
+"""Response headers seen, no change."""
+
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 """Body seen, no change: Envoy's fallback route balances it (fail open)."""
 

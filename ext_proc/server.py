@@ -33,6 +33,8 @@ from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import CALLER_TOKEN_HEADER, DESTINATION_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 from gateway.node_health import NodeHealth
+from gateway.prediction import predict
+from gateway.sessions import SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_proc")
 
@@ -64,6 +66,20 @@ def routed_response(result: RouteResult) -> bytes:
     return resp.SerializeToString()
 
 
+def prediction_response(result: RouteResult | None) -> bytes:
+    """Response-header phase: add the prediction headers to a routed request whose keys are its
+    tenant's alone (it carried a cache_salt); anything else passes unchanged."""
+    salted = result is not None and result.request is not None and result.request.salted
+    prediction = predict(result) if salted else None
+    if prediction is None:
+        return responses.RESPONSE_HEADERS_CONTINUE
+    resp = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+    add = resp.response_headers.response.header_mutation.set_headers.add
+    for key, value in prediction.headers():
+        add(header=base_pb2.HeaderValue(key=key, raw_value=value.encode()), append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+    return resp.SerializeToString()
+
+
 def immediate_response(status: int, body: bytes) -> bytes:
     """Answer the client directly (a rejected request): the request never reaches a node."""
     imm = pb.ImmediateResponse(status=http_status_pb2.HttpStatus(code=status), body=body, details="kvgate_rejected")
@@ -72,13 +88,24 @@ def immediate_response(status: int, body: bytes) -> bytes:
 
 
 class ExtProcService:
-    """The ``Process`` bidi stream; stateless across streams."""
+    """The ``Process`` bidi stream; stateless across streams.
 
-    def __init__(self, core: RoutingCore, health: NodeHealth | None = None, caller_token: str = "") -> None:
+    ``health`` counts the nodes' answers when Envoy sends the response headers; ``caller_token``:
+    streams without it in their metadata are passed through unrouted; ``prediction_headers``: ask
+    Envoy for each inference response's headers and add the prediction headers there
+    (``prediction.response_headers``); costs a message per request.
+    """
+
+    def __init__(
+        self, core: RoutingCore, health: NodeHealth | None = None, caller_token: str = "", *, prediction_headers: bool = False
+    ) -> None:
         self.core = core
         self.health = health
         self.caller_token = caller_token
         self.observing = False  # Envoy sends response headers (seen once): a stream without them was reset
+        self.headers_continue = (
+            responses.HEADERS_CONTINUE_SEND_RESPONSE_HEADERS if prediction_headers else responses.HEADERS_CONTINUE
+        )
 
     async def process(self, _request_iterator, context: grpc.aio.ServicerContext) -> None:
         result: RouteResult | None = None
@@ -87,12 +114,13 @@ class ExtProcService:
         try:
             result = await self._exchange(context)
             # Wait for Envoy to close the stream: that is the end of the HTTP exchange. With
-            # response headers sent (EnvoySettings.observe_responses) the node's answer is seen.
+            # response headers sent (EnvoySettings.observe_responses, or asked for the prediction
+            # headers) the node's answer is seen.
             while (msg := await context.read()) is not grpc.aio.EOF:
                 if msg.HasField("response_headers"):
                     seen_status = self.observing = True
                     self._outcome(result, _header_map(msg.response_headers).get(":status", ""))
-                    await context.write(responses.RESPONSE_HEADERS_CONTINUE)
+                    await context.write(prediction_response(result))
                 else:
                     await context.write(responses.EMPTY)
         except asyncio.CancelledError:
@@ -143,7 +171,7 @@ class ExtProcService:
             await context.write(immediate_response(400, responses.EMPTY_BODY_ERROR))
             metrics.REJECTED.labels("400").inc()
             return None
-        await context.write(responses.HEADERS_CONTINUE)
+        await context.write(self.headers_continue)
 
         body = bytearray()
         while True:
@@ -165,7 +193,9 @@ class ExtProcService:
             # Only a STREAMED body arrives in parts; acknowledge each part without changes.
             await context.write(responses.BODY_CONTINUE)
 
-        result = await self.core.route(path, bytes(body), request_id, headers.get("traceparent", ""))
+        result = await self.core.route(
+            path, bytes(body), request_id, headers.get("traceparent", ""), session_header=headers.get(SESSION_HEADER, "")
+        )
         if result.kind == "routed":
             await context.write(routed_response(result))
         elif result.kind == "rejected":
@@ -176,12 +206,16 @@ class ExtProcService:
 
 
 def build_server(
-    core: RoutingCore, address: str, health: NodeHealth | None = None, *, caller_token: str = ""
+    core: RoutingCore,
+    address: str,
+    health: NodeHealth | None = None,
+    *,
+    caller_token: str = "",
+    prediction_headers: bool = False,
 ) -> grpc.aio.Server:
-    """A grpc.aio server with the ext_proc service bound to ``address`` (host:port); ``health``
-    counts the nodes' answers when Envoy sends the response headers; ``caller_token``: streams
-    without it in their metadata are passed through unrouted."""
-    service = ExtProcService(core, health, caller_token)
+    """A grpc.aio server with the ext_proc service bound to ``address`` (host:port); the other
+    arguments are ``ExtProcService``'s."""
+    service = ExtProcService(core, health, caller_token, prediction_headers=prediction_headers)
     max_message = core.limits.max_body_bytes + MESSAGE_SLACK  # one message never carries more than a body
     handler = grpc.method_handlers_generic_handler(
         SERVICE,

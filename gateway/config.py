@@ -231,6 +231,9 @@ class PolicyConfig(_Section):
     memory_value: float = Field(
         1.0, ge=0, description="kvgate: worth of a block evicted from a full node, in prefills of it (0: memory is free)"
     )
+    session_slack: float = Field(
+        0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"
+    )
 
     @field_validator("name")
     @classmethod
@@ -418,6 +421,45 @@ class TracingConfig(_Section):
     service_name: str = Field("kvgate", min_length=1, description="service.name unless OTEL_SERVICE_NAME sets it")
 
 
+class SessionsConfig(_Section):
+    """Conversations named by the client (``x-session-id`` over ext_proc, or the body's
+    ``safety_identifier`` / ``user``) keep their node when a turn's prompt is not a prefix
+    extension; the ``kvgate`` policy's ``session_slack`` bounds what that may cost (gateway/sessions.py)."""
+
+    ttl_s: float = Field(1800.0, ge=0, description="how long a session's node is remembered; 0 = sessions off")
+
+
+class PredictionConfig(_Section):
+    """Response headers telling a client what kvgate expects of its request; off by default.
+
+    ``x-kvgate-expected-cached-tokens`` (prompt tokens the chosen node is expected to serve from
+    cache) and ``x-kvgate-estimated-ttft-ms`` (the cost model's time to first token), added in
+    ext_proc's response-header phase (one more message per request). Requests decided over
+    ext_authz never get them: kvgate's ext_authz answer is given before the request is routed
+    and does not reach the client's response. The same figures are in the decision log and
+    traces whether or not this is on.
+
+    They say whether a prompt's prefix is cached, so across tenants sharing keys they are an
+    oracle on other tenants' prompts: they are refused unless ``cache_salt_per_tenant`` states
+    that every tenant's requests carry its own ``cache_salt`` (keys then differ per tenant), and
+    a request without a ``cache_salt`` never gets them.
+    """
+
+    response_headers: bool = Field(False, description="add the prediction headers to responses (ext_proc only)")
+    cache_salt_per_tenant: bool = Field(
+        False, description="every tenant's requests carry a cache_salt of their own: required by response_headers"
+    )
+
+    @model_validator(mode="after")
+    def _salted_per_tenant(self) -> PredictionConfig:
+        if self.response_headers and not self.cache_salt_per_tenant:
+            raise ValueError(
+                "response_headers would tell one tenant whether another's prompts are cached: give every "
+                "tenant's requests its own cache_salt and set cache_salt_per_tenant: true"
+            )
+        return self
+
+
 # --- the whole config ----------------------------------------------------------------------------
 
 _yaml_values: ContextVar[dict[str, Any]] = ContextVar("kvgate_yaml_values", default={})
@@ -480,6 +522,8 @@ class KvgateConfig(BaseSettings):
     log: LogConfig = LogConfig()
     admin: AdminConfig = AdminConfig()
     tracing: TracingConfig = TracingConfig()
+    prediction: PredictionConfig = PredictionConfig()
+    sessions: SessionsConfig = SessionsConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -523,6 +567,15 @@ class KvgateConfig(BaseSettings):
             seen[port] = name
         if not self.ext_proc_enabled and self.ext_authz_port is None:
             raise ValueError("no Envoy integration enabled: set ext_proc_enabled or ext_authz_port")
+        return self
+
+    @model_validator(mode="after")
+    def _prediction_needs_ext_proc(self) -> KvgateConfig:
+        if self.prediction.response_headers and not self.ext_proc_enabled:
+            raise ValueError(
+                "prediction.response_headers needs ext_proc_enabled: the headers are added in ext_proc's "
+                "response phase, and ext_authz answers before the response exists"
+            )
         return self
 
     @model_validator(mode="after")

@@ -55,6 +55,7 @@ from gateway.decision_log import DecisionLog
 from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
 from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
+from gateway.sessions import session_id, session_key
 from gateway.types import Decision, RoutingRequest
 from tokenizer import InvalidPrompt, PreparedPrompt, PromptHead, PromptTokenizer, PromptTooLarge
 from tokenizer.keys import PrefixKeyCache, request_seed
@@ -86,6 +87,7 @@ class RoutingLimits:
     head_chars: int = 8192  # fresh text beyond this is first routed on its head (0: always tokenize all)
     max_answer_tokens: int = MAX_ANSWER_TOKENS  # ceiling of the answer budget a request's load is estimated with
     max_hold_s: float = MAX_HOLD_S  # a load held for an estimate (ext_authz) ends this long after at the latest
+    session_ttl_s: float = 1800.0  # how long a session's node is remembered (0: sessions off)
 
 
 @dataclass(slots=True)
@@ -161,12 +163,20 @@ class RoutingCore:
         self.limits = limits
         self.keys = PrefixKeyCache()
         self.background = background or BackgroundTokenizer(tokenizer)  # whole prompts after a head decision
+        self._tasks: set[asyncio.Task] = set()  # sessions being recorded (the loop keeps only weak references)
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
         self.clock = clock  # the time a decision is made at (the simulator's is virtual)
 
     async def route(
-        self, path: str, body: bytes, request_id: str = "", traceparent: str = "", *, sees_response_end: bool = True
+        self,
+        path: str,
+        body: bytes,
+        request_id: str = "",
+        traceparent: str = "",
+        *,
+        sees_response_end: bool = True,
+        session_header: str = "",
     ) -> RouteResult:
         """Decide and reserve the node's load; ``traceparent`` (W3C) parents the decision's span.
 
@@ -174,17 +184,20 @@ class RoutingCore:
         False (ext_authz): the load is held for the decision's estimate of the service time and
         the directory ends it by itself (``release`` still gives it back earlier); such requests
         are not in ``kvgate_inflight_requests``, whose end this replica never learns.
+        ``session_header``: the request's ``x-session-id`` (``gateway.sessions``).
         """
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
             hold: Hold = "until_release" if sees_response_end else "estimate"
-            result = await self._route(path, body, request_id, hold=hold)
+            result = await self._route(path, body, request_id, hold=hold, session_header=session_header)
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
             log.exception("routing failed; failing open (request_id=%s)", request_id)
             result = _fail_open("internal_error")
         _account(result, self.policy.name)
+        if result.kind == "routed" and result.request is not None and result.request.session:
+            self._remember_session(result)
         if result.kind != "rejected":
             if self.decision_log is not None:
                 self.decision_log.record(path, request_id, result)
@@ -202,7 +215,9 @@ class RoutingCore:
         """
         return await self._route(path, body, "", hold=None)
 
-    async def _route(self, path: str, body: bytes, request_id: str, *, hold: Hold | None) -> RouteResult:
+    async def _route(
+        self, path: str, body: bytes, request_id: str, *, hold: Hold | None, session_header: str = ""
+    ) -> RouteResult:
         lim = self.limits
         t0 = time.perf_counter()
         if len(body) > lim.max_body_bytes:
@@ -221,9 +236,10 @@ class RoutingCore:
         t1 = time.perf_counter()
         try:
             prepared = self.tokenizer.prepare(path, req, max_text_bytes=lim.max_prompt_bytes)
+            session = await self._session(session_header, req, prepared)
             head = self.tokenizer.head(prepared, fresh_chars=lim.head_chars) if lim.head_chars > 0 else None
             if head is not None:
-                early = await self._route_by_head(prepared, req, head, request_id, hold, t0, t1)
+                early = await self._route_by_head(prepared, req, head, request_id, hold, t0, t1, session)
                 if early is not None:
                     return early
             prompt = await self.tokenizer.complete_async(prepared)
@@ -243,7 +259,8 @@ class RoutingCore:
         seed = request_seed(prompt.model, cache_salt=prompt.cache_salt, adapters=lim.lora_adapters)
         keys = self.keys.block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
         request = routing_request(
-            prompt.model, prompt.token_ids, keys, block_size=lim.block_size, seed=seed, request_id=request_id
+            prompt.model, prompt.token_ids, keys, block_size=lim.block_size, seed=seed, request_id=request_id,
+            salted=prompt.cache_salt is not None, session=session[0], session_node=session[1],
         )
         t2 = time.perf_counter()
         decided = await self._decide(request, keys, self._answer_tokens(req, request))
@@ -258,6 +275,7 @@ class RoutingCore:
         hold: Hold | None,
         t0: float,
         t1: float,
+        session: tuple[str, str] = ("", ""),
     ) -> RouteResult | None:
         """Decide on a long fresh prompt's first blocks alone, when that cannot change the answer.
 
@@ -279,6 +297,9 @@ class RoutingCore:
             total_blocks=head.estimated_tokens // lim.block_size,
             block_size=lim.block_size,
             request_id=request_id,
+            salted=head.cache_salt is not None,
+            session=session[0],
+            session_node=session[1],
             affinity=int(keys[-1]),
         )
         t2 = time.perf_counter()
@@ -292,6 +313,36 @@ class RoutingCore:
             metrics.HEAD_DECISIONS.inc()
         self.background.submit(prepared)  # bounded; dropped (and counted) when full
         return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
+
+    async def _session(self, header: str, req: dict, prepared: PreparedPrompt) -> tuple[str, str]:
+        """The request's session key and the node it was last routed to ("" when unknown).
+
+        A directory that cannot answer costs the request its session hint, not its decision.
+        """
+        sid = session_id(header, req) if self.limits.session_ttl_s > 0 else ""
+        if not sid:
+            return "", ""
+        key = session_key(sid, prepared.model, prepared.cache_salt)
+        try:
+            return key, await self._bounded(self.directory.session_node(key)) or ""
+        except (DirectoryUnavailable, TimeoutError):
+            metrics.DIRECTORY_ERRORS.labels("session_node").inc()
+            return key, ""
+
+    def _remember_session(self, result: RouteResult) -> None:
+        """Record the session's node off the request's path (the answer does not wait for it)."""
+        assert result.request is not None and result.decision is not None and result.decision.node is not None
+        session, node_id = result.request.session, result.decision.node.node_id
+
+        async def record() -> None:
+            try:
+                await self._bounded(self.directory.record_session(session, node_id, self.limits.session_ttl_s))
+            except (DirectoryUnavailable, TimeoutError):
+                metrics.DIRECTORY_ERRORS.labels("record_session").inc()
+
+        task = asyncio.get_running_loop().create_task(record())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _answer(
         self,

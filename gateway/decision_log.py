@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from directory_client.types import Tier
+from gateway.prediction import predict
 
 if TYPE_CHECKING:
     from gateway.core import RouteResult
@@ -116,6 +117,7 @@ def describe(result: RouteResult) -> dict[str, Any]:
     chosen_id = d.node.node_id if d.node is not None else None
     block_size = req.block_size if req is not None else 0
     candidates = sorted(d.candidates, key=lambda c: (c.total_s, c.node_id))
+    prediction = predict(result)  # what the prediction headers say, when they are on
     best = max(d.candidates, key=lambda c: c.cached_blocks, default=None)
     out.update(
         policy=d.policy,
@@ -126,6 +128,7 @@ def describe(result: RouteResult) -> dict[str, Any]:
             "source_node_id": d.pull.source_node_id, "source_endpoint": d.pull.source_endpoint, "blocks": d.pull.blocks,
         },
         expected_cached_tokens=d.expected_cached_tokens,
+        estimated_ttft_ms=prediction.estimated_ttft_ms if prediction is not None else None,
         best_cached=None if best is None or best.cached_blocks == 0 else {
             "node_id": best.node_id, "blocks": best.cached_blocks, "tokens": best.cached_blocks * block_size,
         },

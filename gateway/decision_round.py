@@ -37,7 +37,16 @@ class Round:
 
 
 def routing_request(
-    model: str, token_ids: np.ndarray, keys: np.ndarray, *, block_size: int, seed: int, request_id: str = ""
+    model: str,
+    token_ids: np.ndarray,
+    keys: np.ndarray,
+    *,
+    block_size: int,
+    seed: int,
+    request_id: str = "",
+    salted: bool = False,
+    session: str = "",
+    session_node: str = "",
 ) -> RoutingRequest:
     """What the policy is asked about a tokenized prompt.
 
@@ -47,7 +56,7 @@ def routing_request(
     affinity = int(keys[-1]) if len(keys) else seed ^ xxhash.xxh3_64_intdigest(np.ascontiguousarray(token_ids).tobytes())
     return RoutingRequest(
         model=model, prompt_tokens=len(token_ids), total_blocks=len(keys), block_size=block_size,
-        request_id=request_id, affinity=affinity,
+        request_id=request_id, affinity=affinity, salted=salted, session=session, session_node=session_node,
     )
 
 

@@ -76,6 +76,7 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_answer_tokens=cfg.limits.max_answer_tokens,
         max_hold_s=cfg.limits.max_hold_s,
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
+        session_ttl_s=cfg.sessions.ttl_s,
     )
 
 
@@ -192,7 +193,10 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         log.warning("caller_token_file is not set: anyone reaching the ext_proc/ext_authz ports learns which node holds a prompt")
     grpc_server = None
     if cfg.ext_proc_enabled:
-        grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health, caller_token=caller_token)
+        grpc_server = build_server(
+            core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health,
+            caller_token=caller_token, prediction_headers=cfg.prediction.response_headers,
+        )
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:

@@ -34,6 +34,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from gateway import otlp_schema as pb
 from gateway.core import RouteResult
 from gateway.otlp import OtlpConfigError, OtlpHttpSender, OtlpSettings, add_attributes, resource_proto
+from gateway.prediction import predict
 
 STAGE_ORDER = ("parse", "tokenize", "lookup", "score", "reserve")
 """Stages in the order they run; each becomes a child span laid end to end after the previous."""
@@ -84,6 +85,9 @@ def decision_attributes(result: RouteResult, *, path: str, request_id: str) -> d
         chosen = next((c for c in d.candidates if c.node_id == d.node.node_id), None)
         if chosen is not None:
             attrs["kvgate.estimated_ttft_s"] = chosen.total_s
+    prediction = predict(result)  # the figures of the prediction headers, when they are on
+    if prediction is not None:
+        attrs["kvgate.estimated_ttft_ms"] = prediction.estimated_ttft_ms
     if d.pull is not None:
         attrs["kvgate.pull.source_node"] = d.pull.source_node_id
         attrs["kvgate.pull.blocks"] = d.pull.blocks

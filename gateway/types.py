@@ -22,6 +22,9 @@ class RoutingRequest:
     total_blocks: int  # full blocks of the prompt (len(keys))
     block_size: int
     request_id: str = ""
+    salted: bool = False  # carried a cache_salt: its block keys are its tenant's alone
+    session: str = ""  # the conversation's key (gateway.sessions), "" when the client named none
+    session_node: str = ""  # the node the session was last routed to, if recorded
     affinity: int = 0
     """Spreads ties: equally good nodes are ordered by a hash of (node, affinity). The gateway
     passes the prompt's last block key, so distinct conversations spread over idle nodes while

@@ -16,6 +16,11 @@ Decisions that differ by less than ``tie_tolerance_s`` (1 ms) are ties, broken t
 loaded node, then by a hash of (node, prompt) (``base.spread``): the model is not accurate to a millisecond, and spreading near-equal
 work is what keeps queues short. For the same reason a node only pulls when the pull beats its
 own recompute by more than the tolerance.
+
+A request naming its conversation (``RoutingRequest.session_node``, see ``gateway.sessions``)
+stays on the node that served the conversation last while that node's estimate is within
+``session_slack`` (25%) of the cheapest: a rewritten history keeps its node, but a node that is
+much cheaper (it holds the new prompt, or the session's node is queued) still wins.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingReq
 LINKS = ("rdma", "tcp")
 DEFAULT_MIN_PULL_BLOCKS = 8  # 128 tokens at block size 16: a few ms of prefill, not worth a transfer
 DEFAULT_TIE_TOLERANCE_S = 0.001
+DEFAULT_SESSION_SLACK = 0.25
 
 
 class KvgatePolicy:
@@ -55,6 +61,7 @@ class KvgatePolicy:
         saturation_penalty_s: float = DEFAULT_SATURATION_PENALTY_S,
         tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
         memory_value: float = DEFAULT_MEMORY_VALUE,
+        session_slack: float = DEFAULT_SESSION_SLACK,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -66,6 +73,8 @@ class KvgatePolicy:
             raise ValueError(f"tie_tolerance_s must be >= 0, got {tie_tolerance_s!r}")
         if isinstance(memory_value, bool) or not isinstance(memory_value, int | float) or not memory_value >= 0:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
+        if not session_slack >= 0:
+            raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -74,6 +83,7 @@ class KvgatePolicy:
         self.saturation_penalty_s = float(saturation_penalty_s)
         self.tie_tolerance_s = float(tie_tolerance_s)
         self.memory_value = float(memory_value)
+        self.session_slack = float(session_slack)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -92,6 +102,9 @@ class KvgatePolicy:
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity)
+        kept = keep_session(top, costs, nodes, request.session_node, self.session_slack, tol)
+        if kept is not None:
+            top = [kept] + [i for i in top if i != kept]
         chosen_i = top[0]
         fallbacks = distinct_addresses((nodes[i] for i in top), nodes[chosen_i], self.fallbacks)
         if len(fallbacks) < self.fallbacks and len(top) < len(nodes):  # repeated addresses: rank all
@@ -120,8 +133,22 @@ class KvgatePolicy:
             pull=plan,
             expected_cached_tokens=cached_tokens,
             candidates=tuple(costs),
-            reason=explain(outcome, chosen, alt, plan, request, max_cached, self.link),
+            reason=("keeps its session's node; " if kept is not None else "")
+            + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
+
+
+def keep_session(
+    top: list[int], costs: list[CandidateCost], nodes: tuple[NodeView, ...], session_node: str, slack: float, tol: float
+) -> int | None:
+    """Index of the session's node when it should win over ``top[0]``: it is live, not already
+    first, and its estimate is within ``slack`` (a fraction) of the best one."""
+    if not session_node:
+        return None
+    i = next((j for j, nv in enumerate(nodes) if nv.node.node_id == session_node), None)
+    if i is None or i == top[0] or costs[i].total_s > costs[top[0]].total_s * (1 + slack) + tol:
+        return None
+    return i
 
 
 def rank_candidates(

@@ -1,0 +1,174 @@
+"""Sessions: a conversation named by the client keeps its node when a turn's prompt is not a
+prefix extension (edited history, summarised context), recorded with a TTL in the directory, and
+weighed by the cost model — never kept on a node that is much more expensive than another.
+
+The request-path tests run real Envoy, ``kvgate serve`` over ext_proc, Redis and three upstreams.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from directory_client import open_directory
+from directory_client.memory import InProcessDirectory
+from gateway.policy import make_policy
+from gateway.profile import load_profile
+from gateway.sessions import session_id, session_key
+from gateway.types import RoutingRequest
+from tests.support.http import eventually, post_json
+from tests.support.stack import Stack, chat, document
+from tests.test_policy import node, view
+
+PATH = "/v1/chat/completions"
+
+
+# --- naming a session -----------------------------------------------------------------------------
+
+
+def test_the_header_wins_then_safety_identifier_then_user() -> None:
+    body = {"user": "u-1", "safety_identifier": "s-1"}
+    assert session_id("h-1", body) == "h-1"
+    assert session_id("", body) == "s-1"
+    assert session_id("", {"user": "u-1"}) == "u-1"
+    assert session_id("", {"user": 7}) == ""  # not a string: no session, not an error
+
+
+def test_session_keys_are_per_model_and_tenant_and_hide_the_id() -> None:
+    key = session_key("alice", "m", None)
+    assert "alice" not in key
+    assert len({key, session_key("alice", "m2", None), session_key("alice", "m", "tenant-b")}) == 3
+
+
+# --- the directory remembers, for a while -----------------------------------------------------------
+
+
+async def test_memory_directory_forgets_a_session_after_its_ttl() -> None:
+    now = [100.0]
+    d = InProcessDirectory(clock=lambda: now[0])
+    await d.record_session("s", "n1", ttl_s=30)
+    assert await d.session_node("s") == "n1"
+    await d.record_session("s", "n2", ttl_s=30)  # the conversation moved
+    now[0] += 29
+    assert await d.session_node("s") == "n2"
+    now[0] += 2
+    assert await d.session_node("s") is None
+
+
+async def test_redis_directory_keeps_a_session_with_its_ttl(redis_url, key_prefix) -> None:
+    d = open_directory(redis_url, key_prefix=key_prefix)
+    try:
+        assert await d.session_node("s") is None
+        await d.record_session("s", "n1", ttl_s=30)
+        assert await d.session_node("s") == "n1"
+        ttl_ms = redis.Redis.from_url(redis_url).pttl(f"{key_prefix}:session:s")
+        assert 25_000 < ttl_ms <= 30_000
+    finally:
+        await d.aclose()
+
+
+# --- the policy weighs it ---------------------------------------------------------------------------
+
+
+def decide(session_node: str, queued_on_n1: int):
+    req = RoutingRequest(model="m", prompt_tokens=6500, total_blocks=406, block_size=16, session_node=session_node)
+    v = view(node(1, inflight=1, queued=queued_on_n1), node(2), node(3))
+    return make_policy("kvgate").decide(req, v, load_profile("llama-3.1-8b-h100"), now=0.0)
+
+
+def test_a_session_keeps_a_slightly_busier_node() -> None:
+    d = decide("n1", queued_on_n1=500)
+    assert d.node.node_id == "n1" and d.reason.startswith("keeps its session's node")
+    assert decide("", queued_on_n1=500).node.node_id != "n1"  # without the session it would move
+
+
+def test_a_session_never_overrides_a_much_cheaper_node() -> None:
+    d = decide("n1", queued_on_n1=20_000)
+    costs = {c.node_id: c.total_s for c in d.candidates}
+    assert d.node.node_id != "n1" and costs["n1"] > 1.25 * costs[d.node.node_id]
+
+
+def test_a_session_slack_of_zero_turns_the_preference_into_a_tie_breaker() -> None:
+    req = RoutingRequest(model="m", prompt_tokens=6500, total_blocks=406, block_size=16, session_node="n1")
+    v = view(node(1, inflight=1, queued=500), node(2), node(3))
+    d = make_policy("kvgate", session_slack=0.0).decide(req, v, load_profile("llama-3.1-8b-h100"), now=0.0)
+    assert d.node.node_id != "n1"
+    with pytest.raises(ValueError, match="session_slack"):
+        make_policy("kvgate", session_slack=-1)
+
+
+# --- through Envoy ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, envoy_bin, redis_url):
+    s = Stack(tmp_path_factory.mktemp("sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+    yield s
+    s.stop()
+
+
+def send(stack: Stack, body: dict, session: str = "") -> str:
+    status, echo = post_json(stack.url(PATH), body, headers={"x-session-id": session} if session else {})
+    assert status == 200, echo
+    return echo["node"]
+
+
+def load(stack: Stack, node_id: str, tokens: int):
+    """Queue ``tokens`` of prefill on a node, as another request in flight there would."""
+    return stack.directory_call(lambda d: d.reserve(node_id, tokens, first_token_s=120))
+
+
+def release(stack: Stack, reservation) -> None:
+    stack.directory_call(lambda d: d.release(reservation))
+
+
+def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(stack: Stack) -> None:
+    session = "conv-" + uuid.uuid4().hex
+    first = send(stack, chat(document("harbour"), "Summarise the report."), session)
+    # The client summarised the history: the next prompt shares no prefix with the first.
+    summary = chat(document("harbour summary", 300), "And the tides?")
+
+    busy = load(stack, first, 500)  # the session's node is a little busier than the others
+    try:
+        assert send(stack, summary) != first  # unnamed, it goes elsewhere
+        assert send(stack, summary, session) == first  # named, it stays
+    finally:
+        release(stack, busy)
+
+    busy = load(stack, first, 40_000)  # now the session's node is far behind the others
+    try:
+        moved = send(stack, chat(document("harbour summary 2", 300), "And the wind?"), session)
+        assert moved != first
+    finally:
+        release(stack, busy)
+    # The directory moved the session with it: its next rewritten turn follows.
+    eventually(lambda: send(stack, chat(document("harbour summary 3", 300), "Rain?"), session) == moved, timeout_s=5)
+
+
+def test_the_openai_user_field_names_a_session_too(stack: Stack) -> None:
+    user = "user-" + uuid.uuid4().hex
+    first = send(stack, {**chat(document("orchard"), "Which trees?"), "user": user})
+    busy = load(stack, first, 500)
+    try:
+        assert send(stack, {**chat(document("orchard notes", 300), "Apples?"), "user": user}) == first
+    finally:
+        release(stack, busy)
+
+
+def test_sessions_are_off_with_a_zero_ttl(tmp_path_factory, envoy_bin, redis_url) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVGATE_SESSIONS__TTL_S", "0")
+        s = Stack(tmp_path_factory.mktemp("no-sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+    try:
+        session = "conv-" + uuid.uuid4().hex
+        first = send(s, chat(document("lagoon"), "Tides?"), session)
+        busy = load(s, first, 500)
+        try:
+            assert send(s, chat(document("lagoon summary", 300), "Fish?"), session) != first
+        finally:
+            release(s, busy)
+        assert redis.Redis.from_url(redis_url).keys(f"{s.key_prefix}:session:*") == []
+    finally:
+        s.stop()
