@@ -248,8 +248,6 @@ def test_salted_and_unsalted_twins_never_share_keys(stack: Stack) -> None:
     assert not keys[None] & keys["tenant-a"] and not keys[None] & keys["tenant-b"] and not keys["tenant-a"] & keys["tenant-b"]
 
 
-@pytest.mark.xfail(strict=True, reason="the bridge keys BlockStored events without the cache_salt vLLM carries in "
-                   "extra_keys (being fixed on the bridge branch): salted blocks land under unsalted keys")
 def test_salted_blocks_are_found_only_with_their_salt(stack: Stack) -> None:
     """A tenant's salted prompt, once served, is found by kvgate for that salt only: an unsalted
     or differently salted guess of the same text finds nothing (else routing is a cross-tenant
