@@ -222,6 +222,29 @@ async def test_dropped_event_socket(fleet: VllmFleet, directory: Directory) -> N
         await relay.close()
 
 
+async def test_a_block_size_mismatch_is_flagged(fleet: VllmFleet, directory: Directory) -> None:
+    """kvgate configured with 16 against vLLM's 32 (the CPU backend's minimum; MLA models force
+    64): the bridge learns 32 from the engine's own events and says so; nothing is keyed wrong."""
+    w = fleet.workers[0]
+    bridge = KVEventBridge(directory, [spec(fleet)], model=MODEL, block_size=16, heartbeat_interval_s=INTERVAL_S)
+    try:
+        await bridge.start()
+        await until_live(directory, w.node_id)
+        ids = prompt(900)
+        deadline = time.monotonic() + 30
+        while not bridge.stats(w.node_id).degraded:
+            await asyncio.to_thread(complete, w.url, ids)
+            assert time.monotonic() < deadline, "mismatch never flagged"
+            await asyncio.sleep(0.2)
+        s = bridge.stats(w.node_id)
+        assert s.engine_block_size == BLOCK_SIZE and "configured 16" in s.degraded and s.tracked_blocks == 0
+        sixteen = block_keys(ids, block_size=16, seed=namespace_seed(MODEL))
+        view = await directory.lookup(sixteen)
+        assert all(n.cached_blocks == 0 for n in view.nodes)
+    finally:
+        await bridge.aclose(deregister=False)
+
+
 async def test_engine_restart(fleet: VllmFleet, directory: Directory) -> None:
     """Last in the module: the engine is replaced by a fresh one on the same ports."""
     w = fleet.workers[0]
