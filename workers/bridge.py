@@ -1154,6 +1154,7 @@ class KVEventBridge:
             if st.rewrite_all:
                 await self._directory.replace_node(node, {})
                 st.rewrite_all = False
+                st.liveness_changed.set()  # registration waits for the rewrite
             return
         if st.rewrite_all:
             st.blocks.take_changes()  # the snapshot below supersedes them
@@ -1165,6 +1166,7 @@ class KVEventBridge:
                     for i in range(0, len(keys), self._WRITE_CHUNK):
                         await self._directory.record_stored(node, keys[i : i + self._WRITE_CHUNK], tier)
             st.rewrite_all = False
+            st.liveness_changed.set()  # registration waits for the rewrite
             log.info(
                 "node %s: directory entries %s (%d keys)",
                 node, "replaced" if st.authoritative else "merged", st.blocks.key_count,
@@ -1220,7 +1222,9 @@ class KVEventBridge:
                                 st.registered = False
                                 st.rewrite_all = True
                                 st.dirty.set()
-                        if not st.registered:
+                        # a rewrite first: a node coming back must not go live with what it held
+                        # before its restart (the flush wakes us when the rewrite is done)
+                        if not st.registered and not st.rewrite_all:
                             await self._directory.register_node(st.info)
                             st.registered = True
                             st.withdraw = False
