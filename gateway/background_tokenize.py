@@ -10,9 +10,10 @@ next turn is tokenized on the request path, as if this cache fill did not exist.
 
 ``worker="process"`` (default) encodes in a child process that loads the same ``tokenizer.json``
 and sends the token IDs back; the event loop only puts them in the cache. ``"thread"`` encodes in
-one thread of this process (no second copy of the tokenizer, but converting the IDs to arrays
-holds the GIL, which the loop then waits for). ``kvgate bench overhead --prompt-tokens`` measures
-both (see ``README.md``).
+one thread of this process: no second copy of the tokenizer (~230 MB), but converting the IDs to
+arrays holds the GIL the loop needs, and ``tokenizers`` may run the encode on its own thread pool,
+which the thread's priority does not reach. ``kvgate bench overhead --prompt-tokens
+--background-worker`` measures both (see ``README.md``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def _lower_priority() -> None:
 def _start_child(source: str) -> None:
     global _child_tokenizer
     _lower_priority()
+    # encode on this niced thread, not on a pool of tokenizers' own (created at normal priority)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _child_tokenizer = PromptTokenizer(source, cache_bytes=0)
 
 

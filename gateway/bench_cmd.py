@@ -231,6 +231,24 @@ async def _measure(url: str, bodies: Sequence[bytes], n: int, warmup: int, concu
     return {**percentiles(lat), "rps": rps}
 
 
+async def scrape(s: aiohttp.ClientSession, admin_url: str) -> str:
+    async with s.get(admin_url + "/metrics") as r:
+        return await r.text()
+
+
+async def background_idle(s: aiohttp.ClientSession, admin_url: str, timeout_s: float = 300.0) -> None:
+    """Wait until kvgate has no prompt pending in the background: a history then counts as seen,
+    and CPU measured next is not the background's work for earlier requests."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = await scrape(s, admin_url)
+        pending = [line for line in text.splitlines() if line.startswith("kvgate_background_tokenize_pending ")]
+        if not pending or float(pending[0].rsplit(" ", 1)[1]) == 0:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("kvgate's background tokenization did not drain")
+
+
 def envoy_process(work: Path, name: str, settings: EnvoySettings) -> subprocess.Popen:
     (work / f"{name}.yaml").write_text(render_yaml(settings))
     return subprocess.Popen(
@@ -330,6 +348,9 @@ async def overhead(args: argparse.Namespace, targets: Sequence[str], sizes: Sequ
             router = procs["sglang"] if name == "sglang" else (kv if name != "envoy" else None)
             envoy = procs[name] if name in ENVOY_TARGETS else None
             await _measure(url, bodies, 0, args.warmup, 1)  # warm connections and the token cache
+            if router is kv:
+                async with aiohttp.ClientSession() as s:
+                    await background_idle(s, f"http://127.0.0.1:{admin_port}")  # the chats' first sight
             r0 = tree_cpu_seconds(router.pid) if router else 0.0
             e0 = cpu_seconds(envoy.pid) if envoy else 0.0
             results[name] = await _measure(url, bodies, args.requests, 0, args.concurrency)
