@@ -229,16 +229,20 @@ class RedisDirectoryBase(ABC):
             if self._config_checked:
                 return
             async with self._io("config check"):
-                info = await self._client.info("server")
                 stride = str(self.sampler.stride).encode()
                 await self._client.hsetnx(self._config, "stride", stride)
                 stored = await self._client.hget(self._config, "stride")
+                info = await self._server_info()
         check_server_version(info)
         if stored != stride:
             raise DirectoryConfigError(
                 f"directory {self.key_prefix!r} is indexed with stride {stored!r}, this client uses {stride!r}"
             )
         self._config_checked = True
+
+    async def _server_info(self) -> dict[str, Any]:
+        """``INFO server`` of the server holding the config key (the one just asked)."""
+        return await self._client.info("server")
 
     def _live_ids_changed(self, node_id: str | None = None) -> None:
         """Hook: a backend caching the live-node list drops it after this client changes it

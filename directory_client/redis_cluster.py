@@ -96,6 +96,10 @@ class RedisClusterDirectory(RedisDirectoryBase):
         )
         return cls(client, op_timeout_s=op_timeout_s, **kw)
 
+    async def _server_info(self) -> dict[str, Any]:
+        # one shard, not all (INFO's default): a shard down must not fail the first call
+        return await self._client.info("server", target_nodes=self._client.get_node_from_key(self._config))
+
     def _live_ids_changed(self, node_id: str | None = None) -> None:
         if node_id is None or node_id not in self._live_ids:
             self._live_ids_at = float("-inf")
