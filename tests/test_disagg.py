@@ -57,8 +57,10 @@ def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
     assert "not split: aggregated d2" in rnd.decision.reason and "runner-up split p1->" in rnd.decision.reason
 
 
-def test_a_short_prompt_on_idle_nodes_is_not_worth_a_transfer() -> None:
-    rnd = decide([node(1, "prefill"), node(2, "decode")], 200, 16)
+@pytest.mark.parametrize("decoding", [0, 30])
+def test_a_short_prompt_is_not_worth_a_transfer(decoding: int) -> None:
+    # its prefill hides in a decode step's weight reads: it stalls none of the running decodes
+    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 16)
     assert rnd.decision.prefill is None and rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
 
 

@@ -10,13 +10,16 @@ already running where it is computed::
     split(p, d)    = queue(p) + prefill(p) + transfer(prompt) + queue(d) + decode(d) + stall(p, prefill on p)
 
     decode(n)      = answer budget × decode_step_seconds(running(n) + 1, prompt)
-    stall(n, s)    = running decodes on n × s     (0 on a prefill-only node: nothing decodes there)
+    stall(n, s)    = running decodes on n × (s - prefill overhead - one decode step's base time)
+                     (0 on a prefill-only node: nothing decodes there)
 
 ``ttft(n)`` is the policy's own estimate (queue + transfer + prefill of what n lacks); the prefill
 on ``p`` counts ``p``'s own cache; the whole prompt's KV crosses the configured link. The stall
 term is why splitting pays at all: a long prefill computed on a node that is decoding 60 answers
 delays each of them by its length (the time-per-output-token spikes aggregated fleets show),
-while on a prefill node it delays nobody. A prompt mostly cached on a decode node has little to
+while on a prefill node it delays nobody. A short prefill rides in a decode step whose time is
+spent reading the weights anyway (the step's base time): it stalls nobody, so a short prompt is
+never split to spare the decodes. A prompt mostly cached on a decode node has little to
 prefill there, so the transfer of the whole prompt is not worth it and the request stays whole.
 
 The cost separates into a prefill part and a decode part, so the best pair is found in one pass
@@ -72,8 +75,12 @@ def split_or_not(
     def decode_s(nv: NodeView) -> float:
         return answer_tokens * step(nv.load.inflight + 1, n)
 
+    hidden_s = profile.prefill_overhead_s + profile.decode_step_base_s
+
     def stall_s(nv: NodeView, prefill: float) -> float:
-        return 0.0 if nv.node.role == "prefill" else nv.load.inflight * prefill
+        if nv.node.role == "prefill" or prefill <= hidden_s:
+            return 0.0
+        return nv.load.inflight * (prefill - hidden_s)
 
     by_id = {nv.node.node_id: nv for nv in view.nodes}
     agg_nv = by_id.get(chosen.node_id)
