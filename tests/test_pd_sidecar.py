@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import pytest
 
@@ -61,23 +62,33 @@ def fleet(tmp_path_factory):
         ))  # fmt: skip
         wait_for_port(port, proc=procs[-1].popen, timeout_s=30)
         nodes["sidecar"] = f"127.0.0.1:{port}"
+        guarded = free_port()  # a sidecar that calls only the fleet's prefill node
+        procs.append(python_module(
+            "pd-sidecar-guarded", "gateway.cli",
+            ["pd-sidecar", "--port", str(guarded), "--engine", f"http://{nodes['decode']}", "--prefiller", nodes["prefill"]],
+            tmp,
+        ))  # fmt: skip
+        wait_for_port(guarded, proc=procs[-1].popen, timeout_s=30)
+        nodes["guarded"] = f"127.0.0.1:{guarded}"
         yield nodes
     finally:
         for p in reversed(procs):
             p.stop()
 
 
-def ask(fleet: dict[str, str], prefiller: str | None, prompt: list[int] = PROMPT) -> tuple[int, dict[str, str], dict]:
+def ask(
+    fleet: dict[str, str], prefiller: str | None, prompt: list[int] = PROMPT, *, sidecar: str = "sidecar", stream: bool = False
+) -> tuple[int, dict[str, str], Any]:
     headers = {"content-type": "application/json"}
     if prefiller is not None:
         headers["x-prefiller-host-port"] = fleet[prefiller]
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True}).encode()
-    status, head, raw = request(f"http://{fleet['sidecar']}/v1/completions", method="POST", body=body, headers=headers, timeout=30)
-    return status, head, json.loads(raw)
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "stream": stream}).encode()
+    status, head, raw = request(f"http://{fleet[sidecar]}/v1/completions", method="POST", body=body, headers=headers, timeout=30)
+    return status, head, raw.decode() if stream else json.loads(raw)
 
 
-def sidecar_metric(fleet: dict[str, str], name: str, reason: str = "") -> float:
-    _, _, raw = request(f"http://{fleet['sidecar']}/pd-sidecar/metrics")
+def sidecar_metric(fleet: dict[str, str], name: str, reason: str = "", sidecar: str = "sidecar") -> float:
+    _, _, raw = request(f"http://{fleet[sidecar]}/pd-sidecar/metrics")
     label = f'{{reason="{reason}"}}' if reason else ""
     m = re.search(rf"^{name}_total{re.escape(label)} (\S+)$", raw.decode(), re.M)
     return float(m.group(1)) if m else 0.0
@@ -132,3 +143,19 @@ def test_kv_from_outside_the_fleets_secret_is_never_used(fleet) -> None:
     assert head["x-kvgate-cached-tokens"] == "0" and body["usage"]["completion_tokens"] == 8
     metrics = request(f"http://{fleet['decode']}/metrics")[2].decode()
     assert re.search(r'kvgate_engine_pulls_total\{model_name="deepseek-chat",result="failed"\} [1-9]', metrics)
+
+
+def test_a_streamed_split_request_streams_from_the_decode_node(fleet) -> None:
+    status, head, text = ask(fleet, "prefill", [t + 5 for t in PROMPT], stream=True)
+    assert status == 200 and head["content-type"].startswith("text/event-stream")
+    assert head["x-kvgate-pull"] == "ok" and head["x-kvgate-node"] == "d1"
+    assert text.rstrip().endswith("data: [DONE]") and text.count("data: ") >= 3
+
+
+def test_a_guarded_sidecar_calls_only_its_prefill_nodes(fleet) -> None:
+    before = sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "untrusted_prefiller", sidecar="guarded")
+    status, head, body = ask(fleet, "stranger", [t + 6 for t in PROMPT], sidecar="guarded")
+    assert status == 200 and "x-kvgate-pull" not in head  # the stranger was never asked
+    assert sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "untrusted_prefiller", sidecar="guarded") == before + 1
+    status, head, body = ask(fleet, "prefill", [t + 7 for t in PROMPT], sidecar="guarded")
+    assert status == 200 and head["x-kvgate-pull"] == "ok"
