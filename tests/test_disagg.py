@@ -102,3 +102,20 @@ def test_roles_are_checked_and_carried_by_the_directory_record() -> None:
     assert NodeConfig(node_id="b1", address="10.0.0.5:8000").role == "both"
     with pytest.raises(ValidationError):
         NodeConfig(node_id="e1", address="10.0.0.6:8000", role="encode")
+
+
+def test_the_documented_flags_parse() -> None:
+    """docs/disaggregated.md: the vLLM connector config is JSON vLLM reads, the fleet is valid config."""
+    import json
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "disaggregated.md").read_text()
+    (config,) = re.findall(r"--kv-transfer-config '([^']+)'", doc)
+    assert json.loads(config) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    fleet_yaml = re.search(r"```yaml\n(fleet:.*?)```", doc, re.S)
+    assert fleet_yaml is not None
+    roles = [NodeConfig(**n).role for n in yaml.safe_load(fleet_yaml.group(1))["fleet"]]
+    assert roles == ["prefill", "decode", "decode", "both"]
