@@ -1,21 +1,30 @@
 """Disaggregated prefill/decode in the decision round: roles, and whether a request is split.
 
-Pure pricing (no I/O): the views are built by hand so each test states the fleet it is about.
+Mostly pure pricing: the views are built by hand so each test states the fleet it is about; one
+test routes through RoutingCore over the in-process directory to see what a split reserves.
 """
 
 from __future__ import annotations
 
+import json
+import re
+from pathlib import Path
+
 import pytest
+import yaml
 from pydantic import ValidationError
 
+from directory_client import InProcessDirectory
 from directory_client.redis_base import decode_node, encode_node
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Tier
 from directory_client.validate import check_node
 from gateway.config import NodeConfig
+from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_round import decide_round
 from gateway.policy import make_policy
 from gateway.profile import load_profile
 from gateway.types import RoutingRequest
+from tokenizer import PromptTokenizer
 
 PROFILE = load_profile("llama-3.1-8b-h100")
 BS = PROFILE.block_size
@@ -106,12 +115,6 @@ def test_roles_are_checked_and_carried_by_the_directory_record() -> None:
 
 def test_the_documented_flags_parse() -> None:
     """docs/disaggregated.md: the vLLM connector config is JSON vLLM reads, the fleet is valid config."""
-    import json
-    import re
-    from pathlib import Path
-
-    import yaml
-
     doc = (Path(__file__).resolve().parents[1] / "docs" / "disaggregated.md").read_text()
     (config,) = re.findall(r"--kv-transfer-config '([^']+)'", doc)
     assert json.loads(config) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
@@ -119,3 +122,30 @@ def test_the_documented_flags_parse() -> None:
     assert fleet_yaml is not None
     roles = [NodeConfig(**n).role for n in yaml.safe_load(fleet_yaml.group(1))["fleet"]]
     assert roles == ["prefill", "decode", "decode", "both"]
+
+
+async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of_its_prefill() -> None:
+    """Through RoutingCore: the decode node holds the request, the prefill node its prompt; the
+    prefill node's load ends by itself at the estimate (nobody sees that prefill's answer)."""
+    now = [0.0]
+    directory = InProcessDirectory(index_stride=1, heartbeat_ttl_s=10_000.0, clock=lambda: now[0])
+    for info in (NodeInfo("p1", "127.0.0.1:9001", role="prefill"), NodeInfo("d1", "127.0.0.1:9002", role="decode")):
+        await directory.register_node(info)
+    busy = [await directory.reserve("d1", 0) for _ in range(24)]  # d1 decodes 24 answers
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), PROFILE, RoutingLimits(models=frozenset(["m"])))
+    text = "The quarterly report on harbour traffic. " * 1500
+    result = await core.route("/v1/completions", json.dumps({"model": "m", "prompt": text, "max_tokens": 2048}).encode())
+    assert result.kind == "routed" and result.decision is not None
+    plan = result.decision.prefill
+    assert plan is not None, result.decision.reason
+    assert dict(result.headers)["x-prefiller-host-port"] == "127.0.0.1:9001"
+    assert dict(result.headers)["x-gateway-destination-endpoint"] == "127.0.0.1:9002"
+    loads = await directory.loads()
+    assert loads["p1"].inflight == 1 and loads["p1"].prefill_tokens == plan.prefill_tokens > 10_000
+    assert loads["d1"].inflight == 25 and loads["d1"].prefill_tokens == 0  # the decode node computes no prompt
+    now[0] = plan.ready_s + 0.001
+    assert (await directory.loads()).get("p1", NodeLoad()) == NodeLoad()  # gone by itself
+    await core.release(result)
+    for r in busy:
+        await directory.release(r)
+    assert (await directory.loads()).get("d1", NodeLoad()) == NodeLoad()
