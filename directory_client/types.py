@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 from tokenizer.keys import BlockKey
 
@@ -49,6 +49,13 @@ class UnknownNode(LookupError):
     its dead-node retention): the caller should ``register_node`` again."""
 
 
+NodeRole = Literal["prefill", "decode", "both"]
+ROLES: tuple[NodeRole, ...] = ("prefill", "decode", "both")
+"""What a node serves in a disaggregated fleet: ``prefill`` computes prompts and hands their KV to
+a decode node (never routed a whole request), ``decode`` receives KV and generates, ``both`` does
+either and is the only role of an aggregated fleet."""
+
+
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A serving node as registered by its bridge (or by static config)."""
@@ -58,6 +65,7 @@ class NodeInfo:
     transfer_endpoint: str = ""  # "ip:port" of the KV transfer agent; "" = cannot serve pulls
     capacity_blocks: int = 0  # KV cache size in blocks (0 = unknown)
     model: str = ""
+    role: NodeRole = "both"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@ anything is written (a half-applied batch would be worse than a refused one)."""
 
 from __future__ import annotations
 
-from directory_client.types import NodeInfo, Reservation, Tier
+from directory_client.types import ROLES, NodeInfo, Reservation, Tier
 
 MAX_NODE_ID = 200
 
@@ -25,6 +25,8 @@ def check_node(node: NodeInfo) -> NodeInfo:
         raise ValueError(f"node {node.node_id!r} has no address")
     if node.capacity_blocks < 0:
         raise ValueError(f"node {node.node_id!r} has negative capacity_blocks")
+    if node.role not in ROLES:
+        raise ValueError(f"node {node.node_id!r} has role {node.role!r}; choose one of {', '.join(ROLES)}")
     return node
 
 

@@ -200,6 +200,9 @@ class NodeConfig(_Section):
     capacity_blocks: int = Field(
         0, ge=0, description="its KV cache size in blocks (vLLM's 'GPU KV cache size' tokens ÷ block size); prices memory; 0 = unknown"
     )
+    role: Literal["prefill", "decode", "both"] = Field(
+        "both", description="disaggregated serving: prefill computes prompts for decode nodes (never a destination), decode generates, both does either"
+    )
 
     @field_validator("address")
     @classmethod

@@ -53,10 +53,10 @@ from gateway import metrics
 from gateway.background_tokenize import BackgroundTokenizer
 from gateway.decision_log import DecisionLog
 from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
-from gateway.envoy_config import DESTINATION_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
+from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.sessions import session_id, session_key
-from gateway.types import Decision, RoutingRequest
+from gateway.types import Decision, PrefillPlan, RoutingRequest
 from tokenizer import InvalidPrompt, PreparedPrompt, PromptHead, PromptTokenizer, PromptTooLarge
 from tokenizer.keys import PrefixKeyCache, request_seed
 
@@ -382,6 +382,8 @@ class RoutingCore:
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
+            if rnd.decision.prefill is not None:
+                await self._reserve_prefill(rnd.decision.prefill)
             timings["reserve"] = time.perf_counter() - t4
 
         decision = rnd.decision
@@ -389,6 +391,8 @@ class RoutingCore:
         if decision.pull is not None:
             headers.append((PULL_SOURCE_HEADER, decision.pull.source_endpoint))
             headers.append((PULL_BLOCKS_HEADER, str(decision.pull.blocks)))
+        if decision.prefill is not None:
+            headers.append((PREFILLER_HEADER, decision.prefill.address))
         return RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
             request=request, ttft_s=rnd.ttft_s, service_s=rnd.service_s, sees_end=hold != "estimate",
@@ -435,6 +439,16 @@ class RoutingCore:
                 hold_s=rnd.service_s if hold == "estimate" else None,
             )
         )
+
+    async def _reserve_prefill(self, plan: PrefillPlan) -> None:
+        """A split request's prompt counts on its prefill node until the estimated end of that
+        prefill, when the reservation ends by itself (the prefill's own answer is never seen)."""
+        try:
+            await self._bounded(
+                self.directory.reserve(plan.node_id, plan.prefill_tokens, first_token_s=plan.ready_s, hold_s=plan.ready_s)
+            )
+        except (DirectoryUnavailable, TimeoutError):
+            metrics.DIRECTORY_ERRORS.labels("reserve").inc()
 
     def _answer_tokens(self, req: dict, request: RoutingRequest) -> int:
         """The answer budget the request's load is estimated with, clamped by the limits."""

@@ -4,7 +4,8 @@
 view their directory lookup returned, so a simulated fleet is routed by exactly the rules a real
 one is: the same request (prompt-hash affinity included), the same policy call, the same time
 estimates, the same reservation (queued prefill released at the estimated first token). Pure: no
-I/O, the time is passed in.
+I/O, the time is passed in. In a fleet that declares roles, a prefill-only node is never the
+policy's destination and a cost-model policy may split the request (``gateway.policy.disagg``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import numpy as np
 import xxhash
 
 from directory_client.types import DirectoryView, NodeLoad
+from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
+from gateway.policy.kvgate import KvgatePolicy
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
 
@@ -95,12 +98,20 @@ def decide_round(
     prefill); the service time adds the answer budget decoded at the node's batch size with this
     request in it. With no node chosen every figure is zero.
     """
-    decision = policy.decide(request, view, profile, now=now)
+    roles = declares_roles(view)
+    decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
+    if roles and isinstance(policy, KvgatePolicy):  # a cost-model policy prices splitting; balancers never split
+        decision = split_or_not(
+            decision, request, view, profile,
+            answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
+        )  # fmt: skip
     node = decision.node
     if node is None:
         return Round(decision, NodeLoad(), 0, 0.0, 0.0)
     load = next((nv.load for nv in view.nodes if nv.node.node_id == node.node_id), NodeLoad())
     own = [c.total_s for c in decision.candidates if c.node_id == node.node_id]
+    if decision.prefill is not None:
+        own = [decision.prefill.first_token_s]
     ttft_s = min(max(min(own, default=0.0), MIN_HOLD_S), max_hold_s)
     n = request.prompt_tokens
     decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + 1, n)

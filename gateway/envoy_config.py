@@ -41,7 +41,8 @@ import yaml
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PULL_SOURCE_HEADER = "x-kv-cache-source-host-port"
 PULL_BLOCKS_HEADER = "x-kv-cache-pull-blocks"
-KVGATE_HEADERS = (DESTINATION_HEADER, PULL_SOURCE_HEADER, PULL_BLOCKS_HEADER)
+PREFILLER_HEADER = "x-prefiller-host-port"  # split request: its prefill node (llm-d's P/D sidecar contract)
+KVGATE_HEADERS = (DESTINATION_HEADER, PULL_SOURCE_HEADER, PULL_BLOCKS_HEADER, PREFILLER_HEADER)
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 CALLER_TOKEN_HEADER = "x-kvgate-authz-token"  # Envoy → kvgate: this call is Envoy's (gRPC metadata or HTTP header)
 

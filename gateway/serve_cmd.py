@@ -94,7 +94,9 @@ def trusted_fleet(cfg: KvgateConfig, discovery: KubernetesDiscovery | None) -> T
 def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
     """Nodes without KV events: kvgate itself keeps them registered while they are healthy."""
     return [
-        NodeInfo(node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint, model=cfg.node_model(n))
+        NodeInfo(
+            node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint, model=cfg.node_model(n), role=n.role
+        )
         for n in cfg.fleet
         if not n.events_endpoint
     ]
@@ -108,7 +110,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     collected = [
         EngineSpec(
             node_id=n.node_id, address=n.address, events=COLLECTOR, replay=n.replay_endpoint or None,
-            transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n),
+            transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n), role=n.role,
         )
         for n in cfg.fleet
         if cfg.events_collector and not n.events_endpoint
@@ -123,6 +125,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
                     replay=n.replay_endpoint or None,
                     transfer=n.transfer_endpoint,
                     capacity=n.capacity_blocks,
+                    role=n.role,
                 )
             )
     bridges = [

@@ -41,6 +41,18 @@ class PullPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """A split request: ``address`` computes its prompt first and hands the KV to the destination
+    (the decode node), which generates the answer (``gateway.policy.disagg``)."""
+
+    node_id: str
+    address: str  # "ip:port" of the prefill node's server → x-prefiller-host-port
+    prefill_tokens: int  # prompt tokens the prefill node computes: its queued prefill
+    ready_s: float  # from now until its prefill is done: its load ends then
+    first_token_s: float  # from now until the decode node's first token (KV moved, queue waited)
+
+
+@dataclass(frozen=True, slots=True)
 class CandidateCost:
     """One node's estimated time to first token, by part, as the policy saw it.
 
@@ -78,6 +90,7 @@ class Decision:
     node: NodeInfo | None
     fallbacks: tuple[str, ...] = ()  # further "ip:port" in order of preference
     pull: PullPlan | None = None
+    prefill: PrefillPlan | None = None  # split: the prefill node; ``node`` is the decode node
     expected_cached_tokens: int = 0
     candidates: tuple[CandidateCost, ...] = ()
     reason: str = ""

@@ -24,6 +24,14 @@ class RequestRecord:
     output_tokens: int = 0
     reply: str = ""
     seen_tokens: int = 0  # prefix an earlier request of the run had already sent (filled after the run)
+    split: bool = False  # prefilled on a prefill node, decoded here (disaggregated; its prompt's KV counts as pulled)
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (None with fewer than two tokens)."""
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     @property
     def ok(self) -> bool:

@@ -50,7 +50,10 @@ def results_table(result: Mapping[str, Any], title: str = "") -> Table:
     pooled = any("hit_rate_of_oracle_pool" in s for s in policies.values())
     cols = ["policy", "requests", "errors", "hit rate", *(["% of\noracle_pool"] if pooled else []), "pulled",
             "redundant\nprefill",
-            "TTFT p50\nms", "TTFT p90\nms", "TTFT p99\nms"]
+            "TTFT p50\nms", "TTFT p90\nms", "TTFT p99\nms", "TPOT p50/p99\nms"]
+    split = any(s.get("split_frac") for s in policies.values())
+    if split:
+        cols += ["split"]
     if turn is not None:
         cols += [f"turn {turn}\np50 ms"]
     cols += ["output\ntok/s", "req/s", "imbalance\nmax/mean", "decision\np50/p99 ms"]
@@ -62,7 +65,10 @@ def results_table(result: Mapping[str, Any], title: str = "") -> Table:
         if pooled:
             row.append(_pct(s.get("hit_rate_of_oracle_pool")))
         row += [_pct(s["hit_rate_pulled"]), _pct(s["redundant_prefill_frac"]),
-                _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]), _ms(s["ttft_p99_ms"])]
+                _ms(s["ttft_p50_ms"]), _ms(s["ttft_p90_ms"]), _ms(s["ttft_p99_ms"]),
+                f"{_ms(s.get('tpot_p50_ms'))}/{_ms(s.get('tpot_p99_ms'))}"]
+        if split:
+            row.append(_pct(s.get("split_frac")))
         if turn is not None:
             row.append(_ms(turn_p50(s, turn)))
         imb = "-" if s.get("imbalance") is None else f"{s['imbalance']:.2f}"

@@ -43,8 +43,20 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="policy input: the real in-process directory fed by KV events, or the engines' caches directly")
     f.add_argument("--pulls", choices=("off", "tcp", "rdma"), default="off",
                    help="give nodes transfer agents so kvgate may pull prefixes over this link")
+    f.add_argument("--roles", default=None, metavar="P:D",
+                   help="disaggregated fleet: P prefill nodes and D decode nodes (P + D = --nodes); default: every node both")
     f.add_argument("--block-size", type=int, default=None,
                    help="override the profile's block size (e.g. 512 for the whole Mooncake trace)")
+
+
+def _roles(text: str | None) -> tuple[int, int] | None:
+    """``P:D`` → (P, D); the simulator checks they fit the fleet."""
+    if text is None:
+        return None
+    p, sep, d = text.partition(":")
+    if not sep or not p.isdigit() or not d.isdigit():
+        raise ValueError(f"--roles {text!r} is not P:D (e.g. 2:6)")
+    return int(p), int(d)
 
 
 def _profile(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -71,7 +83,8 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
         "workload": {"name": workload.name, "description": workload.description,
                      "sessions": len(workload.sessions), "max_requests": workload.max_requests},
         "fleet": {"nodes": args.nodes, "profile": profile.name, "block_size": profile.block_size,
-                  "kv_blocks": args.kv_blocks or profile.kv_capacity_blocks, "view": args.view, "pulls": args.pulls},
+                  "kv_blocks": args.kv_blocks or profile.kv_capacity_blocks, "view": args.view, "pulls": args.pulls,
+                  "roles": args.roles or "all both"},
         "policies": {},
         "skipped": {},
     }
@@ -81,7 +94,7 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
         cfg = SimConfig(
             policy=name, nodes=args.nodes, profile=profile, capacity_blocks=args.kv_blocks, view=args.view,
             pull_link=None if args.pulls == "off" else args.pulls, max_requests=args.max_requests,
-            duration_s=args.duration,
+            duration_s=args.duration, roles=_roles(args.roles),
         )
         sim = Simulator(workload, cfg, tokenizer)
         with Progress(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

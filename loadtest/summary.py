@@ -59,6 +59,7 @@ def summarize(
     redundant = sum(max(r.seen_tokens - r.cached_tokens, 0) for r in ok)
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     overall = _pcts_ms(ttfts)
+    tpot = _pcts_ms([t for t in (r.tpot_s for r in ok) if t is not None])
 
     by_turn: dict[int, list[float]] = defaultdict(list)
     turn_tokens: dict[int, list[int]] = defaultdict(lambda: [0, 0])  # prompt, cached
@@ -98,6 +99,9 @@ def summarize(
         "ttft_p90_ms": overall["p90"],
         "ttft_p99_ms": overall["p99"],
         "ttft_by_turn": turn_stats,
+        "tpot_p50_ms": tpot["p50"],
+        "tpot_p99_ms": tpot["p99"],
+        "split_frac": sum(r.split for r in ok) / len(ok) if ok else 0.0,
         "output_tokens": sum(r.output_tokens for r in ok),
         "throughput_tok_s": sum(r.output_tokens for r in ok) / wall,
         "requests_per_s": len(ok) / wall,

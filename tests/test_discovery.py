@@ -132,6 +132,17 @@ def test_pod_readiness_follows_the_ready_condition_phase_and_deletion() -> None:
     assert endpoints_of_pod(pods[0])[0].port("kv-replay") == 5558
 
 
+
+def test_a_pods_role_label_becomes_its_nodes_role() -> None:
+    pod = copy.deepcopy(recording("pods-list.json")["items"][0])
+    assert endpoints_of_pod(pod)[0].role == "both"  # no label
+    pod["metadata"].setdefault("labels", {})["kvgate.io/role"] = "prefill"
+    (node,) = ready_nodes(endpoints_of_pod(pod), NAMED).values()
+    assert node.role == "prefill" and node.node_info("m").role == "prefill"  # what the directory records
+    pod["metadata"]["labels"]["kvgate.io/role"] = "prefil"
+    assert endpoints_of_pod(pod) == []  # a role kvgate cannot read: the pod is not routed to, never guessed
+
+
 # --- the reconcile core: events in, ready nodes out ----------------------------------------------
 
 

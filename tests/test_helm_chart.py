@@ -51,7 +51,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     "minimal": {
         "redis": {"mode": "none"},
         "tokenizer": {"builtinDeepSeek": True},
-        "fleet": {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}]},
+        "fleet": {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000", "role": "decode"}]},
         "gateway": {"replicas": 1, "autoscaling": {"enabled": False}, "podDisruptionBudget": {"enabled": False}},
         "envoy": {"enabled": False},
         "networkPolicy": {"enabled": False},
@@ -517,6 +517,7 @@ BAD_VALUES = [
     ({"blockSize": 0}, ["/blockSize", "minimum"]),
     ({"fleet": {"discovery": {"port": "HTTP_PORT"}}}, ["/fleet/discovery/port"]),
     ({"fleet": {"static": [{"node_id": "n1", "address": "vllm-0:8000"}]}}, ["/fleet/static/0/address"]),
+    ({"fleet": {"static": [{"node_id": "n1", "address": "10.0.0.11:8000", "role": "encode"}]}}, ["/fleet/static/0/role"]),
     ({"envoy": {"messageTimeoutMs": 0}}, ["/envoy/messageTimeoutMs"]),
 ]  # fmt: skip
 

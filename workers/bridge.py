@@ -103,7 +103,7 @@ import zmq.asyncio
 from prometheus_client import Counter, Gauge, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
-from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, Tier, UnknownNode
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode
 from directory_client.validate import check_node_id
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
 from workers.kv_events import (
@@ -193,6 +193,7 @@ class EngineSpec:
     capacity: int = 0  # KV cache size in blocks (0 = unknown)
     topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
     model: str = ""  # the base model it serves ("" = the bridge's)
+    role: NodeRole = "both"  # prefill, decode or both (disaggregated serving)
 
     @property
     def collected(self) -> bool:
@@ -205,6 +206,7 @@ class EngineSpec:
             transfer_endpoint=self.transfer,
             capacity_blocks=self.capacity,
             model=self.model or model,
+            role=self.role,
         )
 
     def collector_topics(self, model: str) -> list[str]:

@@ -50,6 +50,7 @@ def bridge_followers(directory: Directory, *, model: str, block_size: int, heart
             events=node.events_endpoint,
             replay=node.replay_endpoint or None,
             transfer=node.transfer_endpoint,
+            role=node.role,
         )
         return KVEventBridge(
             directory, [spec], model=model, block_size=block_size, heartbeat_interval_s=heartbeat_interval_s

@@ -8,7 +8,9 @@ sees one shape:
   ready"); a terminating endpoint is never ready to us even if ``ready`` says so, because it is
   draining. Ports are the Service's, by name.
 - a **Pod** is ready when it runs, is not being deleted, has an IP and its ``Ready`` condition is
-  ``"True"`` (a string in the API). Ports are its containers' named ports.
+  ``"True"`` (a string in the API). Ports are its containers' named ports; its ``kvgate.io/role``
+  label (``prefill``, ``decode``, ``both``) is its disaggregated-serving role, ``both`` without
+  one. EndpointSlices carry no pod labels: their endpoints are ``both``.
 
 Objects from a list response carry no ``kind``/``apiVersion`` (only the list does), so nothing
 here relies on them. Malformed parts are skipped, never guessed: an endpoint we cannot read is
@@ -22,6 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from directory_client.types import ROLES, NodeRole
+
+ROLE_LABEL = "kvgate.io/role"
+
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
@@ -32,6 +38,7 @@ class Endpoint:
     ip: str
     ready: bool
     ports: tuple[tuple[str, int], ...] = ()  # named ports, (name, number)
+    role: NodeRole = "both"
 
     def port(self, name: str) -> int | None:
         for port_name, number in self.ports:
@@ -102,8 +109,11 @@ def endpoints_of_pod(obj: Mapping[str, Any]) -> list[Endpoint]:
     name = meta.get("name")
     if not _is_ip(ip) or not isinstance(name, str) or not name:
         return []
+    role = (meta.get("labels") or {}).get(ROLE_LABEL, "both")
+    if role not in ROLES:
+        return []  # a role we cannot read: never guess what the pod serves
     ports: tuple[tuple[str, int], ...] = ()
     for container in (obj.get("spec") or {}).get("containers") or ():
         if isinstance(container, Mapping):
             ports += _named_ports(container.get("ports"), "containerPort")
-    return [Endpoint(name=name, uid=str(meta.get("uid", "")), ip=ip, ready=_pod_ready(obj), ports=ports)]
+    return [Endpoint(name=name, uid=str(meta.get("uid", "")), ip=ip, ready=_pod_ready(obj), ports=ports, role=role)]

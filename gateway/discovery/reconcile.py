@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from directory_client.types import NodeInfo
+from directory_client.types import NodeInfo, NodeRole
 from gateway.discovery.objects import Endpoint
 
 GONE = 410
@@ -108,10 +108,11 @@ class DiscoveredNode:
     events_endpoint: str = ""  # tcp://ip:port of its KV-event publisher; "" = it publishes none we follow
     replay_endpoint: str = ""
     transfer_endpoint: str = ""
+    role: NodeRole = "both"
 
     def node_info(self, model: str) -> NodeInfo:
         return NodeInfo(
-            node_id=self.node_id, address=self.address, transfer_endpoint=self.transfer_endpoint, model=model
+            node_id=self.node_id, address=self.address, transfer_endpoint=self.transfer_endpoint, model=model, role=self.role
         )
 
 
@@ -139,6 +140,7 @@ def node_of(ep: Endpoint, plan: PortPlan) -> DiscoveredNode | None:
         events_endpoint=zmq["events"],
         replay_endpoint=zmq["replay"] if zmq["events"] else "",
         transfer_endpoint=_host_port(ep.ip, numbers["transfer"]) if numbers["transfer"] else "",
+        role=ep.role,
     )
 
 

@@ -41,6 +41,7 @@ from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, 
 from gateway.decision_round import Round, answer_tokens, decide_round, routing_request
 from gateway.policy import make_policy
 from gateway.profile import HardwareProfile
+from gateway.types import PrefillPlan
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
 from loadtest.policies import ORACLE, ORACLE_POOL
 from loadtest.records import RequestRecord
@@ -71,6 +72,7 @@ class SimConfig:
     max_requests: int | None = None
     duration_s: float = float("inf")  # no arrival after this (virtual seconds)
     default_max_tokens: int = 16
+    roles: tuple[int, int] | None = None  # (prefill, decode) node counts; None: every node both
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class _Ctx:
     arrival: float
     reservation: Reservation | None
     pulled_blocks: int = 0
+    decode: _Ctx | None = None  # a split request's prefill: the decode that follows it
 
 
 @dataclass
@@ -112,11 +115,14 @@ class Simulator:
         capacity = config.capacity_blocks or p.kv_capacity_blocks
         self.max_model_len = min(p.max_model_len, capacity * self.bs)
         transfer = config.pull_link is not None
+        if config.roles is not None and (sum(config.roles) != config.nodes or min(config.roles) < 1):
+            raise ValueError(f"roles {config.roles[0]}:{config.roles[1]} must be at least one of each and add up to {config.nodes} nodes")
+        role = (lambda i: "prefill" if i < config.roles[0] else "decode") if config.roles else (lambda i: "both")  # type: ignore[index]
         self.nodes = [
             SimNode.build(
                 NodeInfo(f"n{i + 1}", f"10.0.{i // 250}.{i % 250 + 1}:8000",
                          transfer_endpoint=f"10.0.{i // 250}.{i % 250 + 1}:9100" if transfer else "",
-                         capacity_blocks=capacity, model=workload.model),
+                         capacity_blocks=capacity, model=workload.model, role=role(i)),
                 p, capacity,
             )
             for i in range(config.nodes)
@@ -235,6 +241,9 @@ class Simulator:
         node = self.by_id[decision.node.node_id]
         reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s))
         ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
+        if decision.prefill is not None:
+            self._prefill_first(ctx, decision.prefill, ids)
+            return
 
         if self.oracle:
             if self.pool is not None:
@@ -259,6 +268,26 @@ class Simulator:
                 self._push(now + delay, SUBMIT, (ctx,))
                 return
         self._submit(ctx)
+
+    def _prefill_first(self, decode: _Ctx, plan: PrefillPlan, ids: np.ndarray) -> None:
+        """A split request: its prompt runs on the prefill node (one token, discarded, as with
+        ``max_tokens: 1``); the decode starts when the prompt's KV has crossed the link."""
+        node = self.by_id[plan.node_id]
+        decode.record.split = True
+        reply = self.sampler.reply(ids, 1, ignore_eos=True, min_tokens=1)
+        sim = SimRequest.create(f"{decode.sim.request_id}/prefill", ids, reply, block_size=self.bs, root_hash=self.root,
+                                key_seed=self.key_seed, arrival=self.now)
+        hold = run_now(self.directory.reserve(node.node_id, plan.prefill_tokens, first_token_s=plan.ready_s, hold_s=plan.ready_s))
+        self._submit(_Ctx(decode.session, decode.replies, decode.record, sim, node, self.now, hold, decode=decode))
+
+    def _hand_over(self, prefill: _Ctx) -> None:
+        """The prefill is done: its KV reaches the decode node after the modelled transfer."""
+        decode = prefill.decode
+        assert decode is not None
+        blocks = hit_cap_blocks(decode.sim.num_prompt, self.bs)
+        decode.pulled_blocks = blocks
+        link = getattr(self.policy, "link", "tcp")
+        self._push(self.now + self.profile.transfer_seconds(decode.sim.num_prompt, link), SUBMIT, (decode,))
 
     def _view(self, sim: SimRequest, keys: np.ndarray) -> DirectoryView:
         if self.cfg.view == "directory":
@@ -316,7 +345,8 @@ class Simulator:
             for out in result.outputs:
                 if out.generated == 1:
                     ctx = pending[out.request.request_id]
-                    ctx.record.ttft_s = now - ctx.arrival
+                    if ctx.decode is None:  # a split request's first token is the decode node's
+                        ctx.record.ttft_s = now - ctx.arrival
             for r in result.finished:
                 ctx = pending.pop(r.request_id)
                 self._finish(ctx, now, on_request)
@@ -333,6 +363,9 @@ class Simulator:
             self.now = end
 
     def _finish(self, ctx: _Ctx, now: float, on_request) -> None:  # type: ignore[no-untyped-def]
+        if ctx.decode is not None:
+            self._hand_over(ctx)  # its reservation ends by itself at the estimate
+            return
         r, rec = ctx.sim, ctx.record
         rec.status = 200
         rec.e2e_s = now - ctx.arrival

@@ -41,13 +41,16 @@ class Stack:
     def __init__(
         self, tmp: Path, envoy_bin: str, redis_url: str, key_prefix: str, integration: str = "ext_proc",
         *, failing: dict[str, int] | None = None, envoy_options: dict | None = None, kvgate_options: dict | None = None,
+        roles: dict[str, str] | None = None,
         **envoy_settings: object,  # EnvoySettings fields to change (limits under test)
     ) -> None:
         """``failing``: node → the status it answers every request with; ``envoy_options``: more
-        ``EnvoySettings`` fields; ``kvgate_options``: more kvgate config."""
+        ``EnvoySettings`` fields; ``kvgate_options``: more kvgate config; ``roles``: node → its
+        role in the static fleet (default both)."""
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, key_prefix
         self.failing, self.envoy_options = failing or {}, {**(envoy_options or {}), **envoy_settings}
         self.kvgate_options = kvgate_options or {}
+        self.roles = roles or {}
         self.procs: list[Proc] = []  # everything started, so a failed start still cleans up
         try:
             self._start(envoy_bin, integration)
@@ -75,7 +78,7 @@ class Stack:
                 "heartbeat_ttl_s": 3.0,
                 "lookup_timeout_ms": 1000,
             },
-            "fleet": [{"node_id": n, "address": self.addr(n)} for n in NODES],
+            "fleet": [{"node_id": n, "address": self.addr(n), "role": self.roles.get(n, "both")} for n in NODES],
             "limits": {"max_body_bytes": 256 << 10},
             **self.kvgate_options,
         }

@@ -7,8 +7,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``str
 With ``--debug-headers``, every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
 ``x-kvgate-cached-tokens`` (the prefix hit, also in ``usage.prompt_tokens_details``); a request
 that came with pull instructions also gets ``x-kvgate-pull`` (``ok``, ``none`` or
-``failed:<reason>``) and ``x-kvgate-pulled-blocks`` (``workers.engine.pull``). A streamed
-answer starts (headers and first chunk) only when the first token is out: the time to the first
+``failed:<reason>``) and ``x-kvgate-pulled-blocks`` (``workers.engine.pull``). A request's
+``kv_transfer_params`` (vLLM's disaggregated prefill/decode) are honoured the same way
+(``workers.engine.disagg``). A streamed answer starts (headers and first chunk) only when the first token is out: the time to the first
 chunk is the time to first token, as with a real engine.
 """
 
@@ -29,6 +30,7 @@ from tokenizer import InvalidPrompt, PromptTokenizer, namespace_seed
 from workers.engine.kv_cache import CacheEvent
 from workers.transfer import SlotTable, TransferAgent, make_backend
 from workers.transfer.auth import PeerAuth
+from workers.engine.disagg import remote_decode_params, remote_prefill_source, wants_remote_decode
 from workers.engine.events import EventPublisher
 from workers.engine.kv_cache import CacheBusy, PrefixCache, root_hash
 from workers.engine.metrics import EngineMetrics
@@ -209,7 +211,8 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         lora=tp.lora,
         cache_salt=tp.cache_salt,
     )
-    pull = await engine.pulls.prepare(sim, request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
+    source, blocks = remote_prefill_source(body) or (request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
+    pull = await engine.pulls.prepare(sim, source, blocks)
     stream = engine.pulls.submit(sim, pull, arrival_wall)
     try:
         if opts.stream:
@@ -219,9 +222,10 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         text = engine.tokenizer.decode(_reply_ids(sim, sim.generated))
         use = usage(n_prompt, sim.generated, sim.cached_tokens)
         shape = chat_response if chat else completion_response
-        return _json(
-            shape(rid, engine.created, cfg.model, text, sim.finish_reason, use), headers=_headers(engine, sim, pull)
-        )
+        answer = shape(rid, engine.created, cfg.model, text, sim.finish_reason, use)
+        if wants_remote_decode(body):
+            answer["kv_transfer_params"] = remote_decode_params(engine.transfer, cfg.node_id, n_prompt // cfg.profile.block_size)
+        return _json(answer, headers=_headers(engine, sim, pull))
     finally:
         if not sim.finished:
             engine.runtime.abort(rid)

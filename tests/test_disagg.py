@@ -1,0 +1,151 @@
+"""Disaggregated prefill/decode in the decision round: roles, and whether a request is split.
+
+Mostly pure pricing: the views are built by hand so each test states the fleet it is about; one
+test routes through RoutingCore over the in-process directory to see what a split reserves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from directory_client import InProcessDirectory
+from directory_client.redis_base import decode_node, encode_node
+from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Tier
+from directory_client.validate import check_node
+from gateway.config import NodeConfig
+from gateway.core import RoutingCore, RoutingLimits
+from gateway.decision_round import decide_round
+from gateway.policy import make_policy
+from gateway.profile import load_profile
+from gateway.types import RoutingRequest
+from tokenizer import PromptTokenizer
+
+PROFILE = load_profile("llama-3.1-8b-h100")
+BS = PROFILE.block_size
+
+
+def node(i: int, role: str, *, cached: int = 0, inflight: int = 0, queued: int = 0) -> NodeView:
+    info = NodeInfo(f"{role[0]}{i}", f"10.0.0.{i}:8000", f"10.0.0.{i}:9100", role=role)
+    return NodeView(info, cached, Tier.GPU, NodeLoad(inflight, queued))
+
+
+def request(prompt: int) -> RoutingRequest:
+    return RoutingRequest(model="m", prompt_tokens=prompt, total_blocks=prompt // BS, block_size=BS, affinity=7)
+
+
+def decide(nodes: list[NodeView], prompt: int, answer: int, policy: str = "kvgate"):
+    return decide_round(make_policy(policy), request(prompt), DirectoryView(tuple(nodes)), PROFILE, now=0.0, answer_tokens=answer)
+
+
+def test_a_long_uncached_prompt_with_a_long_answer_on_a_busy_mixed_fleet_is_split() -> None:
+    # two mixed nodes decoding 40 answers each, one idle prefill node, one decode node with 8
+    fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both", inflight=40, queued=2000),
+             node(3, "prefill"), node(4, "decode", inflight=8)]
+    rnd = decide(fleet, 16_000, 1024)
+    plan = rnd.decision.prefill
+    assert plan is not None, rnd.decision.reason
+    assert (plan.node_id, plan.address) == ("p3", "10.0.0.3:8000")
+    assert rnd.decision.node is not None and rnd.decision.node.node_id == "d4"  # the destination decodes
+    assert plan.prefill_tokens == 16_000 and rnd.prefill_tokens == 0  # the decode node computes nothing
+    assert 0 < plan.ready_s < plan.first_token_s == rnd.ttft_s < rnd.service_s
+    assert rnd.decision.reason.startswith("split p3->d4") and "runner-up aggregated" in rnd.decision.reason
+
+
+def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
+    prompt = 16_000
+    fleet = [node(1, "prefill"), node(2, "decode", cached=prompt // BS - 4, inflight=8), node(3, "decode", inflight=8)]
+    rnd = decide(fleet, prompt, 1024)
+    assert rnd.decision.prefill is None
+    assert rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
+    assert "not split: aggregated d2" in rnd.decision.reason and "runner-up split p1->" in rnd.decision.reason
+
+
+@pytest.mark.parametrize("decoding", [0, 30])
+def test_a_short_prompt_is_not_worth_a_transfer(decoding: int) -> None:
+    # its prefill hides in a decode step's weight reads: it stalls none of the running decodes
+    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 16)
+    assert rnd.decision.prefill is None and rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
+
+
+@pytest.mark.parametrize("policy", ["kvgate", "round_robin", "least_request", "prefix_only"])
+def test_a_prefill_node_is_never_a_whole_requests_destination(policy: str) -> None:
+    # the prefill node holds the whole prompt and is idle; the decode node is saturated
+    prompt = 4096
+    fleet = [node(1, "prefill", cached=prompt // BS), node(2, "decode", inflight=300, queued=50_000)]
+    for _ in range(4):
+        rnd = decide(fleet, prompt, 64, policy)
+        assert rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
+
+
+def test_a_fleet_of_prefill_nodes_only_has_no_destination() -> None:
+    assert decide([node(1, "prefill")], 4096, 64).decision.node is None
+
+
+def test_balancing_policies_never_split() -> None:
+    fleet = [node(1, "both", inflight=40, queued=2000), node(3, "prefill"), node(4, "decode", inflight=8)]
+    for policy in ("round_robin", "least_request", "prefix_only"):
+        assert decide(fleet, 16_000, 1024, policy).decision.prefill is None
+
+
+def test_an_aggregated_fleet_is_routed_as_before() -> None:
+    # the same busy fleet with every node `both`: kvgate's own decision, unchanged
+    fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both"), node(3, "both", inflight=8)]
+    rnd = decide(fleet, 16_000, 1024)
+    policy_alone = make_policy("kvgate").decide(request(16_000), DirectoryView(tuple(fleet)), PROFILE, now=0.0)
+    assert rnd.decision == policy_alone and rnd.decision.prefill is None
+
+
+def test_roles_are_checked_and_carried_by_the_directory_record() -> None:
+    info = NodeInfo("p1", "10.0.0.1:8000", role="prefill")
+    assert decode_node(encode_node(info)) == info
+    assert decode_node(b'{"node_id":"x","address":"10.0.0.2:8000"}').role == "both"  # records written before roles
+    with pytest.raises(ValueError, match="role 'encode'"):
+        check_node(NodeInfo("e", "10.0.0.3:8000", role="encode"))  # type: ignore[arg-type]
+    assert NodeConfig(node_id="d1", address="10.0.0.4:8000", role="decode").role == "decode"
+    assert NodeConfig(node_id="b1", address="10.0.0.5:8000").role == "both"
+    with pytest.raises(ValidationError):
+        NodeConfig(node_id="e1", address="10.0.0.6:8000", role="encode")
+
+
+def test_the_documented_flags_parse() -> None:
+    """docs/disaggregated.md: the vLLM connector config is JSON vLLM reads, the fleet is valid config."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "disaggregated.md").read_text()
+    (config,) = re.findall(r"--kv-transfer-config '([^']+)'", doc)
+    assert json.loads(config) == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    fleet_yaml = re.search(r"```yaml\n(fleet:.*?)```", doc, re.S)
+    assert fleet_yaml is not None
+    roles = [NodeConfig(**n).role for n in yaml.safe_load(fleet_yaml.group(1))["fleet"]]
+    assert roles == ["prefill", "decode", "decode", "both"]
+
+
+async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of_its_prefill() -> None:
+    """Through RoutingCore: the decode node holds the request, the prefill node its prompt; the
+    prefill node's load ends by itself at the estimate (nobody sees that prefill's answer)."""
+    now = [0.0]
+    directory = InProcessDirectory(index_stride=1, heartbeat_ttl_s=10_000.0, clock=lambda: now[0])
+    for info in (NodeInfo("p1", "127.0.0.1:9001", role="prefill"), NodeInfo("d1", "127.0.0.1:9002", role="decode")):
+        await directory.register_node(info)
+    busy = [await directory.reserve("d1", 0) for _ in range(24)]  # d1 decodes 24 answers
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), PROFILE, RoutingLimits(models=frozenset(["m"])))
+    text = "The quarterly report on harbour traffic. " * 1500
+    result = await core.route("/v1/completions", json.dumps({"model": "m", "prompt": text, "max_tokens": 2048}).encode())
+    assert result.kind == "routed" and result.decision is not None
+    plan = result.decision.prefill
+    assert plan is not None, result.decision.reason
+    assert dict(result.headers)["x-prefiller-host-port"] == "127.0.0.1:9001"
+    assert dict(result.headers)["x-gateway-destination-endpoint"] == "127.0.0.1:9002"
+    loads = await directory.loads()
+    assert loads["p1"].inflight == 1 and loads["p1"].prefill_tokens == plan.prefill_tokens > 10_000
+    assert loads["d1"].inflight == 25 and loads["d1"].prefill_tokens == 0  # the decode node computes no prompt
+    now[0] = plan.ready_s + 0.001
+    assert (await directory.loads()).get("p1", NodeLoad()) == NodeLoad()  # gone by itself
+    await core.release(result)
+    for r in busy:
+        await directory.release(r)
+    assert (await directory.loads()).get("d1", NodeLoad()) == NodeLoad()

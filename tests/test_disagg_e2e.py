@@ -1,0 +1,67 @@
+"""Disaggregated prefill/decode through real Envoy, the real `kvgate serve`, real Redis and real
+upstreams: node a is a prefill node, b and c decode. What a decode node sees is what its P/D
+sidecar acts on: `x-prefiller-host-port` names the prefill node, or is absent (serve whole)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from tests.support.http import post_json
+from tests.support.stack import MODEL, Stack, chat, document
+
+
+@pytest.fixture(scope="module", params=["ext_proc", "ext_authz"])
+def stack(request, tmp_path_factory, envoy_bin, redis_url):
+    s = Stack(
+        tmp_path_factory.mktemp("pd"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", request.param,
+        roles={"a": "prefill", "b": "decode", "c": "decode"},
+        kvgate_options={"limits": {"max_body_bytes": 256 << 10, "max_answer_tokens": 4096}},
+    )
+    yield s
+    s.stop()
+
+
+def short_question() -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "What is two plus two?"}], "max_tokens": 8}
+
+
+def test_a_whole_request_never_lands_on_the_prefill_node(stack: Stack) -> None:
+    for _ in range(6):
+        status, body = post_json(stack.url("/v1/chat/completions"), short_question())
+        assert status == 200, body
+        assert body["node"] in ("b", "c")
+        assert "x-prefiller-host-port" not in body["headers"]  # idle fleet, short prompt: served whole
+
+
+def test_a_long_prompt_with_a_long_answer_on_busy_decoders_is_split(stack: Stack) -> None:
+    async def busy(d):  # both decode nodes are decoding 24 answers each (held one minute)
+        return [await d.reserve(n, 0, hold_s=60.0) for n in ("b", "c") for _ in range(24)]
+
+    held = stack.directory_call(busy)
+    try:
+        long = chat(document("estuary", sentences=1200), "Write a long essay on it.")
+        long["max_tokens"] = 2048
+        status, body = post_json(stack.url("/v1/chat/completions"), long)
+        assert status == 200, body
+        assert body["node"] in ("b", "c")  # the decode node is the destination
+        assert body["headers"]["x-gateway-destination-endpoint"] == stack.addr(body["node"])
+        assert body["headers"]["x-prefiller-host-port"] == stack.addr("a")
+
+        status, body = post_json(stack.url("/v1/chat/completions"), short_question())
+        assert status == 200, body
+        assert "x-prefiller-host-port" not in body["headers"]  # a short prompt is not worth a transfer
+    finally:
+        async def free(d):
+            for r in held:
+                await d.release(r)
+
+        stack.directory_call(free)
+
+
+def test_a_client_cannot_name_a_prefill_node(stack: Stack) -> None:
+    spoof = {"x-prefiller-host-port": "10.9.9.9:8000"}
+    status, body = post_json(stack.url("/v1/chat/completions"), short_question(), headers=spoof)
+    assert status == 200, body
+    assert "x-prefiller-host-port" not in body["headers"]  # stripped before kvgate decided

@@ -1,0 +1,172 @@
+"""``kvgate pd-sidecar``: the decode node's half of disaggregated prefill/decode (llm-d's contract).
+
+It listens where the gateway routes (the decode node's address) and forwards to the local engine.
+A generation request carrying ``x-prefiller-host-port`` (set by kvgate when it splits a request)
+is first sent to that prefill node with ``max_tokens: 1`` and ``kv_transfer_params:
+{"do_remote_decode": true}``; the ``kv_transfer_params`` of its answer are put into the request,
+which then runs on the local engine, whose connector fetches the prompt's KV from the prefill
+node (vLLM's NIXL connector, or the simulated engine's transfer agent). Without the header the
+request passes through unchanged.
+
+Faults never reach the client: a prefill node that errs, times out, answers without transfer
+parameters or is not in ``--prefiller`` (when given) leaves the request as it came, served whole
+on the local engine, and ``kvgate_pd_sidecar_fallbacks_total{reason}`` counts it. The sidecar's
+own metrics are at ``/pd-sidecar/metrics``; every other path is the engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from gateway.envoy_config import PREFILLER_HEADER
+
+log = logging.getLogger("kvgate.pd_sidecar")
+
+GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
+
+
+class SidecarMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.split = Counter(
+            "kvgate_pd_sidecar_split", "Requests prefilled on a prefill node, then decoded here", registry=self.registry
+        )
+        self.fallbacks = Counter(
+            "kvgate_pd_sidecar_fallbacks",
+            "Split requests served whole here instead, by why (prefill_error, prefill_timeout, no_transfer_params, untrusted_prefiller)",
+            ["reason"],
+            registry=self.registry,
+        )
+
+
+class Sidecar:
+    """Forwards to ``engine`` (a base URL); runs the prefill step for split requests."""
+
+    def __init__(self, engine: str, *, prefill_timeout_s: float, prefillers: frozenset[str] = frozenset()) -> None:
+        self.engine = engine.rstrip("/")
+        self.prefill_timeout_s = prefill_timeout_s
+        self.prefillers = prefillers
+        self.metrics = SidecarMetrics()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def prefill(self, prefiller: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
+        """The prefill node's ``kv_transfer_params`` for ``body``, or None (counted) to serve it whole."""
+        if self.prefillers and prefiller not in self.prefillers:
+            log.warning("x-prefiller-host-port %r is not a configured prefiller: serving whole", prefiller)
+            self.metrics.fallbacks.labels("untrusted_prefiller").inc()
+            return None
+        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        ask.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        try:
+            async with asyncio.timeout(self.prefill_timeout_s):
+                async with self.session.post(f"http://{prefiller}{path}", json=ask, headers=headers) as resp:
+                    answer = await resp.json(content_type=None) if resp.status == 200 else None
+                    status = resp.status
+        except TimeoutError:
+            log.warning("prefill on %s timed out after %.1f s: serving whole", prefiller, self.prefill_timeout_s)
+            self.metrics.fallbacks.labels("prefill_timeout").inc()
+            return None
+        except (aiohttp.ClientError, ValueError, OSError) as e:
+            log.warning("prefill on %s failed (%s): serving whole", prefiller, e)
+            self.metrics.fallbacks.labels("prefill_error").inc()
+            return None
+        if answer is None:
+            log.warning("prefill on %s answered %d: serving whole", prefiller, status)
+            self.metrics.fallbacks.labels("prefill_error").inc()
+            return None
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        if not isinstance(params, dict):
+            self.metrics.fallbacks.labels("no_transfer_params").inc()
+            return None
+        self.metrics.split.inc()
+        return params
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != PREFILLER_HEADER}
+        prefiller = request.headers.get(PREFILLER_HEADER, "").strip()
+        if prefiller and request.method == "POST" and request.path in GENERATION_PATHS:
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None  # the engine answers the client's mistake
+            if isinstance(body, dict):
+                params = await self.prefill(prefiller, request.path, body, {"content-type": "application/json"})
+                if params is not None:
+                    raw = json.dumps({**body, "kv_transfer_params": params}).encode()
+        return await self.forward(request, raw, headers)
+
+    async def forward(self, request: web.Request, raw: bytes, headers: dict[str, str]) -> web.StreamResponse:
+        """The request to the local engine; its answer streamed back as it comes."""
+        url = f"{self.engine}{request.path_qs}"
+        try:
+            upstream = await self.session.request(request.method, url, data=raw, headers=headers)
+        except aiohttp.ClientError as e:
+            return web.json_response({"error": {"message": f"engine unreachable: {e}", "code": 502}}, status=502)
+        async with upstream:
+            resp = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
+            )
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+
+        async def lifecycle(app: web.Application) -> Any:
+            yield
+            await self.close()
+
+        app.cleanup_ctx.append(lifecycle)
+        app.router.add_get("/pd-sidecar/metrics", self.metrics_page)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, required=True, help="port the gateway routes to (the decode node's address)")
+    parser.add_argument("--engine", required=True, help="the local engine's base URL, e.g. http://127.0.0.1:8001")
+    parser.add_argument("--prefill-timeout-s", type=float, default=30.0, help="a slower prefill is abandoned: serve whole")
+    parser.add_argument(
+        "--prefiller", action="append", default=[], metavar="HOST:PORT",
+        help="a prefill node this sidecar may call (repeat); default: whatever x-prefiller-host-port names",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.prefill_timeout_s > 0:
+        raise SystemExit("--prefill-timeout-s must be positive")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if not args.prefiller:
+        log.warning("no --prefiller given: any x-prefiller-host-port is called; only the gateway may reach this port")
+    sidecar = Sidecar(args.engine, prefill_timeout_s=args.prefill_timeout_s, prefillers=frozenset(args.prefiller))
+    print(f"kvgate pd-sidecar on {args.host}:{args.port} -> {args.engine}", flush=True)
+    web.run_app(sidecar.app(), host=args.host, port=args.port, print=None)
+    return 0
