@@ -33,6 +33,7 @@ from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_log import DecisionLog
 from gateway.discovery import build_discovery
+from gateway.engine_scrape import EngineCacheScraper
 from gateway.fleet import StaticFleetKeeper
 from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
@@ -162,6 +163,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
     grpc_server = build_server(core, f"{cfg.listen_host}:{cfg.ext_proc_port}") if cfg.ext_proc_enabled else None
     authz = ExtAuthzService(core) if cfg.ext_authz_port is not None else None
+    scraper = None
+    if cfg.fleet and cfg.engine_scrape_interval_s > 0:
+        scraper = EngineCacheScraper([(n.node_id, n.address) for n in cfg.fleet], interval_s=cfg.engine_scrape_interval_s)
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:
@@ -184,6 +188,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if authz is not None:
             assert cfg.ext_authz_port is not None
             await authz.start(cfg.listen_host, cfg.ext_authz_port, max_body_bytes=cfg.limits.max_body_bytes)
+        if scraper is not None:
+            await scraper.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
         log.info(
@@ -199,6 +205,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if authz is not None:
             await authz.aclose()  # stop accepting checks, then give back the load still held
         await admin_runner.cleanup()
+        if scraper is not None:
+            await scraper.aclose()
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:
