@@ -519,6 +519,10 @@ class KvgateConfig(BaseSettings):
         "endpoint tcp://kvgate:PORT), e.g. tcp://0.0.0.0:5557: fleet nodes without an events_endpoint are then "
         "followed through it, told apart by topic; empty = off",
     )
+    engine_scrape_interval_s: float = Field(
+        15.0, ge=0, description="read each fleet node's /metrics (vLLM prefix-cache hits and queries) this often, "
+        "to compare with what kvgate predicted (kvgate_engine_prefix_cache_*); 0 = off",
+    )
     discovery: DiscoveryConfig = DiscoveryConfig()
     policy: PolicyConfig = PolicyConfig()
     limits: LimitsConfig = LimitsConfig()

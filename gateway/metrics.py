@@ -56,6 +56,54 @@ CACHED_TOKENS = Counter(
     "Prompt tokens the chosen node was expected to hold (locally or by pull)",
     registry=REGISTRY,
 )
+NODE_EXPECTED_CACHED = Counter(
+    "kvgate_node_expected_cached_tokens",
+    "Prompt tokens the chosen node was expected to hold, per node (compare with kvgate_engine_prefix_cache_hit_tokens)",
+    ["node"],
+    registry=REGISTRY,
+)
+NODE_PROMPT_TOKENS = Counter("kvgate_node_prompt_tokens", "Prompt tokens routed to each node", ["node"], registry=REGISTRY)
+
+
+class EngineCacheCounters(Collector):
+    """The engines' own prefix-cache counters, as last scraped (``gateway.engine_scrape``).
+
+    Exported as counters (they are the engines' counters, resets included), so ``rate()`` applies.
+    """
+
+    def __init__(self) -> None:
+        self.values: dict[str, tuple[float, float]] = {}  # node → (hits, queries)
+
+    def collect(self) -> list[Metric]:
+        hits = CounterMetricFamily(
+            "kvgate_engine_prefix_cache_hit_tokens",
+            "The node's own count of prompt tokens served from its prefix cache (vLLM vllm:prefix_cache_hits_total)",
+            labels=["node"],
+        )
+        queries = CounterMetricFamily(
+            "kvgate_engine_prefix_cache_query_tokens",
+            "The node's own count of prompt tokens looked up in its prefix cache (vLLM vllm:prefix_cache_queries_total)",
+            labels=["node"],
+        )
+        for node, (h, q) in sorted(self.values.items()):
+            hits.add_metric([node], h)
+            queries.add_metric([node], q)
+        return [hits, queries]
+
+
+ENGINE_CACHE = EngineCacheCounters()
+REGISTRY.register(ENGINE_CACHE)
+ENGINE_SCRAPE_ERRORS = Counter(
+    "kvgate_engine_scrape_errors", "Failed scrapes of a node's /metrics (engine cache counters)", ["node"], registry=REGISTRY
+)
+
+
+@cache
+def node_tokens(node_id: str) -> tuple[Counter, Counter]:
+    """The bound per-node (prompt, expected cached) children, once per node."""
+    return NODE_PROMPT_TOKENS.labels(node_id), NODE_EXPECTED_CACHED.labels(node_id)
+
+
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 

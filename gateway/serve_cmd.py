@@ -34,6 +34,7 @@ from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_log import DecisionLog
 from gateway.discovery import build_discovery
+from gateway.engine_scrape import EngineCacheScraper
 from gateway.fleet import StaticFleetKeeper
 from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
@@ -200,6 +201,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health,
             caller_token=caller_token, prediction_headers=cfg.prediction.response_headers,
         )
+    scraper = None
+    if cfg.fleet and cfg.engine_scrape_interval_s > 0:
+        scraper = EngineCacheScraper([(n.node_id, n.address) for n in cfg.fleet], interval_s=cfg.engine_scrape_interval_s)
     monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
     debug = None
     if decision_log is not None:
@@ -222,6 +226,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if authz is not None:
             assert cfg.ext_authz_port is not None
             await authz.start(cfg.listen_host, cfg.ext_authz_port, max_body_bytes=cfg.limits.max_body_bytes)
+        if scraper is not None:
+            await scraper.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
         log.info(
@@ -237,6 +243,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         if authz is not None:
             await authz.aclose()  # stop accepting checks, then give back the load still held
         await admin_runner.cleanup()
+        if scraper is not None:
+            await scraper.aclose()
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:

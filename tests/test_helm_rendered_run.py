@@ -123,7 +123,7 @@ class RenderedStack:
             port = self.ports(ip, 8000)
             self.engines[node] = self._started(Proc(f"engine-{node}", [
                 sys.executable, "-m", "workers.engine", "--port", str(port), "--model", MODEL, "--node-id", node,
-                "--tokenizer", str(self.tokenizer_dir), "--time-scale", "1",
+                "--tokenizer", str(self.tokenizer_dir), "--time-scale", "1", "--debug-headers",
                 "--events-endpoint", f"tcp://127.0.0.1:{self.ports(ip, 5557)}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{self.ports(ip, 5558)}",
             ], self.tmp))  # fmt: skip

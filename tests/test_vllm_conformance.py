@@ -24,6 +24,7 @@ import json
 import os
 import random
 import subprocess
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -34,6 +35,7 @@ from typing import Any
 
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.config import load_config
 from gateway.doctor import diagnose
@@ -92,7 +94,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     fleet = VllmFleet(
         FleetOptions(nodes=2, model=MODEL), workdir, VllmOptions(venv=venv, max_num_seqs=4),
         # index_stride 1: the directory keeps every block key (not a sample), so every key is compared
-        serve_extra={"admin": {"debug": True, "token": TOKEN}, "directory": {"url": "memory://", "index_stride": 1}},
+        serve_extra={"admin": {"debug": True, "token": TOKEN}, "directory": {"url": "memory://", "index_stride": 1},
+                     "engine_scrape_interval_s": 0.5},
     )
     with fleet, fleet.gateway("kvgate", policy="kvgate") as gw:
         assert gw.metrics_url is not None
@@ -348,3 +351,45 @@ def test_doctor_names_the_first_difference(stack: Stack, tmp_path: Path, overrid
     """A misconfigured kvgate never hits; the doctor says which setting, per node, and fails."""
     findings = diagnose(load_config(_doctor_config(stack, tmp_path, **override)), only="n1")
     assert [(f.ok, f.check) for f in findings] == [(False, check)], findings
+
+
+# -- the closed loop: predicted vs delivered ---------------------------------------------------
+
+
+def _node_series(stack: Stack) -> dict[tuple[str, str], float]:
+    """kvgate's per-node series: (metric, node) → value."""
+    assert stack.gateway.metrics_url is not None
+    with urllib.request.urlopen(stack.gateway.metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if "node" in s.labels:
+                out[(s.name, s.labels["node"])] = s.value
+    return out
+
+
+def test_predicted_cached_tokens_equal_what_the_engine_delivered(stack: Stack) -> None:
+    """A prompt sent twice through the gateway: on the second, kvgate's prediction for the node
+    it chose (kvgate_node_expected_cached_tokens_total) equals the engine's own count of tokens
+    served from its prefix cache (vllm:prefix_cache_hits_total, scraped into
+    kvgate_engine_prefix_cache_hit_tokens_total) and the response's cached_tokens."""
+    seed = next(s for s in range(40, 80) if len(stack.tokenizer.tokenize_body(*_chat("x" * 12, [{"role": "user", "content": _text(s)}])).token_ids) % BLOCK_SIZE)
+    path, body = _chat(uuid.uuid4().hex[:12], [{"role": "user", "content": _text(seed)}])
+    full = len(stack.tokenizer.tokenize_body(path, body).token_ids) // BLOCK_SIZE
+    status, doc = _post(stack.gateway.url + path, {**body, "max_tokens": 1})
+    assert status == 200, doc
+    node = max(found := _found_blocks(stack, path, body, full), key=found.__getitem__)
+    time.sleep(1.5)  # two scrapes: the engine's counters include the first send
+    before = _node_series(stack)
+    status, doc = _post(stack.gateway.url + path, {**body, "max_tokens": 1})
+    assert status == 200, doc
+    delivered_in_response = doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert delivered_in_response == full * BLOCK_SIZE
+
+    def delta(name: str) -> float:
+        return _node_series(stack).get((name, node), 0.0) - before.get((name, node), 0.0)
+
+    wait_until(lambda: delta("kvgate_engine_prefix_cache_query_tokens_total") > 0, timeout_s=10, what="a scrape after the request")
+    assert delta("kvgate_node_expected_cached_tokens_total") == delivered_in_response
+    assert delta("kvgate_engine_prefix_cache_hit_tokens_total") == delivered_in_response
