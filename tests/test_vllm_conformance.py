@@ -20,6 +20,7 @@ A user who sees a row fail sees, in production, prompts that never hit the cache
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -33,10 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from directory_client import open_directory
 from gateway.config import load_config
 from gateway.doctor import diagnose
 from loadtest.local_fleet import FleetOptions, Gateway, wait_until
@@ -44,7 +47,10 @@ from loadtest.real_vllm.fleet import BLOCK_SIZE, VllmFleet, VllmOptions
 from loadtest.real_vllm.install import DEFAULT_VENV, vllm_binary
 from loadtest.real_vllm.model_dir import write_model_dir
 from loadtest.workloads.prose import ProseGenerator
+from tests.conftest import REDIS_URL
+from tests.redis_servers import purge_prefix
 from tokenizer import PromptTokenizer, block_keys, namespace_seed
+from tokenizer.keys import request_seed
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -70,10 +76,27 @@ class Stack:
     gateway: Gateway
     admin_url: str
     tokenizer: PromptTokenizer
+    key_prefix: str
 
     @property
     def engine(self) -> str:
         return self.fleet.workers[0].url
+
+    def lookup(self, path: str, body: dict[str, Any]) -> dict[str, int]:
+        """Blocks of ``body`` (salted or not) that the directory holds, per node, asked of Redis
+        directly: ``/debug/explain`` refuses salted prompts, as it would tell who holds them."""
+        ids = self.tokenizer.tokenize_body(path, body).token_ids
+        keys = block_keys(ids, block_size=BLOCK_SIZE, seed=request_seed(MODEL, cache_salt=body.get("cache_salt"), adapters={}))
+
+        async def ask() -> dict[str, int]:
+            directory = open_directory(REDIS_URL, key_prefix=self.key_prefix, index_stride=1)
+            try:
+                view = await directory.lookup(np.asarray(keys, dtype=np.uint64))
+            finally:
+                await directory.aclose()
+            return {nv.node.node_id: nv.cached_blocks for nv in view.nodes}
+
+        return asyncio.run(ask())
 
     def explain(self, path: str, body: dict[str, Any]) -> dict[str, int]:
         """Blocks of ``body`` that kvgate's directory finds, per node."""
@@ -91,15 +114,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     except FileNotFoundError as e:
         pytest.fail(f"{e} (make test installs it)")
     workdir = tmp_path_factory.mktemp("vllm-fleet")
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:12]}"  # the shared Redis, only under this prefix
     fleet = VllmFleet(
         FleetOptions(nodes=2, model=MODEL), workdir, VllmOptions(venv=venv, max_num_seqs=4),
         # index_stride 1: the directory keeps every block key (not a sample), so every key is compared
-        serve_extra={"admin": {"debug": True, "token": TOKEN}, "directory": {"url": "memory://", "index_stride": 1},
+        serve_extra={"admin": {"debug": True, "token": TOKEN},
+                     "directory": {"url": REDIS_URL, "key_prefix": prefix, "index_stride": 1},
                      "engine_scrape_interval_s": 0.5},
     )
-    with fleet, fleet.gateway("kvgate", policy="kvgate") as gw:
-        assert gw.metrics_url is not None
-        yield Stack(fleet, gw, gw.metrics_url.removesuffix("/metrics"), PromptTokenizer(fleet.model_dir))
+    try:
+        with fleet, fleet.gateway("kvgate", policy="kvgate") as gw:
+            assert gw.metrics_url is not None
+            yield Stack(fleet, gw, gw.metrics_url.removesuffix("/metrics"), PromptTokenizer(fleet.model_dir), prefix)
+    finally:
+        purge_prefix(REDIS_URL, prefix)
 
 
 # -- the shapes ------------------------------------------------------------------------------
@@ -199,12 +227,15 @@ def _engine_token_ids(stack: Stack, path: str, body: dict[str, Any]) -> list[int
     return doc["tokens"]
 
 
-def _found_blocks(stack: Stack, path: str, body: dict[str, Any], want: int) -> dict[str, int]:
+def _found_blocks(
+    stack: Stack, path: str, body: dict[str, Any], want: int, ask: Callable[[str, dict[str, Any]], dict[str, int]] | None = None
+) -> dict[str, int]:
     """Wait (events are asynchronous) until some node holds ``want`` blocks of ``body``."""
     seen: dict[str, int] = {}
+    ask = ask or stack.explain
 
     def check() -> bool:
-        seen.update(stack.explain(path, body))
+        seen.update(ask(path, body))
         return max(seen.values(), default=0) >= want
 
     try:
@@ -263,10 +294,12 @@ def test_salted_blocks_are_found_only_with_their_salt(stack: Stack) -> None:
     full = len(stack.tokenizer.tokenize_body(path, body).token_ids) // BLOCK_SIZE
     status, doc = _post(stack.gateway.url + path, {**salted, "max_tokens": 1})
     assert status == 200, doc
-    found = _found_blocks(stack, path, salted, full)
+    found = _found_blocks(stack, path, salted, full, stack.lookup)
     assert max(found.values()) == full, f"the salted prompt's own blocks: {found}, expected {full} on one node"
-    assert max(stack.explain(path, body).values()) == 0, "an unsalted guess finds the tenant's blocks"
-    assert max(stack.explain(path, {**body, "cache_salt": "tenant-b"}).values()) == 0, "another salt finds them"
+    assert max(stack.lookup(path, body).values(), default=0) == 0, "an unsalted guess finds the tenant's blocks"
+    assert max(stack.lookup(path, {**body, "cache_salt": "tenant-b"}).values(), default=0) == 0, "another salt finds them"
+    status, doc = _post(f"{stack.admin_url}/debug/explain?path={path}", salted, headers={"Authorization": f"Bearer {TOKEN}"})
+    assert status == 403, doc  # not even the operator's debug API says who holds a salted prompt
     node = max(found, key=found.__getitem__)
     url = next(w.url for w in stack.fleet.workers if w.node_id == node)
     status, doc = _post(url + path, {**body, "max_tokens": 1})
