@@ -1,7 +1,7 @@
 """The container image: `make image` builds it (on a Debian base made with debootstrap, since no
 image registry is reachable here), and `kvgate serve` runs from it as the chart runs it — non-root,
 read-only root filesystem, no capabilities — answering /healthz and deciding a request that real
-Envoy on the host sends to the container's published ext_proc port.
+Envoy on the host sends to the container's ext_proc port (host networking: all on loopback).
 
 Needs root, `dockerd` and `debootstrap` (`make test` installs docker.io and debootstrap). A daemon
 already answering is used as it is; otherwise this module starts its own and stops it by pid. The
@@ -111,18 +111,20 @@ def test_image_runs_as_the_charts_user_without_compilers_and_with_the_shipped_to
 def served(image: str, tmp_path: Path, envoy_bin: str) -> Iterator[dict]:
     """Two echo nodes on the host, `kvgate serve` in a container, Envoy on the host.
 
-    The nodes listen on the host's address on Docker's bridge: kvgate probes them from inside
-    the container (`GET /health`, as it probes engine pods), and Envoy reaches them from the host.
+    The container shares the host's network (``--network host``), so every hop stays on
+    127.0.0.1: kvgate probes the nodes (`GET /health`, as it probes engine pods) and Envoy calls
+    the container's ext_proc port, all over loopback.
     """
     procs: list[Proc] = []
     name = f"kvgate-test-{uuid.uuid4().hex[:10]}"
-    host_ip = docker("network", "inspect", "bridge", "-f", "{{(index .IPAM.Config 0).Gateway}}").stdout.strip()
     ports = {n: free_port() for n in NODES}
     admin_port, ext_proc_port, listen_port = free_port(), free_port(), free_port()
-    addr = {n: f"{host_ip}:{p}" for n, p in ports.items()}
+    addr = {n: f"127.0.0.1:{p}" for n, p in ports.items()}
     config = tmp_path / "kvgate.yaml"
     config.write_text(yaml.safe_dump({
-        "listen_host": "0.0.0.0",
+        "listen_host": "127.0.0.1",
+        "admin_port": admin_port,
+        "ext_proc_port": ext_proc_port,
         "models": [MODEL],
         "directory": {"url": "memory://"},
         "fleet": [{"node_id": n, "address": a} for n, a in addr.items()],
@@ -130,11 +132,10 @@ def served(image: str, tmp_path: Path, envoy_bin: str) -> Iterator[dict]:
     config.chmod(0o644)
     try:
         for n, p in ports.items():
-            procs.append(start_echo(n, p, tmp_path, host=host_ip))
+            procs.append(start_echo(n, p, tmp_path))
         docker(
             "run", "-d", "--name", name, "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
-            "--security-opt", "no-new-privileges",
-            "-p", f"127.0.0.1:{admin_port}:9003", "-p", f"127.0.0.1:{ext_proc_port}:9002",
+            "--security-opt", "no-new-privileges", "--network", "host",
             "-v", f"{config}:/etc/kvgate/kvgate.yaml:ro",
             image, "serve", "--config", "/etc/kvgate/kvgate.yaml",
         )
