@@ -132,9 +132,7 @@ def _account(result: RouteResult, policy: str) -> None:
         metrics.PROMPT_TOKENS.inc(result.request.prompt_tokens)
         metrics.CACHED_TOKENS.inc(decision.expected_cached_tokens)
         if decision.node is not None:
-            prompt_c, cached_c = metrics.node_tokens(decision.node.node_id)
-            prompt_c.inc(result.request.prompt_tokens)
-            cached_c.inc(decision.expected_cached_tokens)
+            metrics.CACHE_LOOP.count(decision.node.node_id, result.request.prompt_tokens, decision.expected_cached_tokens)
         if result.sees_end:
             metrics.INFLIGHT.inc()
     elif result.kind == "fail_open":

@@ -4,8 +4,9 @@ kvgate routes a request to a node expecting it to hold some prefix
 (``kvgate_node_expected_cached_tokens_total{node}``, counted by the routing core). Whether it did
 is the engine's to say: vLLM counts prompt tokens looked up and found in its prefix cache
 (``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total``). This scraper reads both
-from each configured node's ``/metrics`` and republishes them per node, so one query compares
-prediction and delivery (alert in ``docs/real-vllm.md``). A node whose keys silently differ from
+from each configured node's ``/metrics`` into ``metrics.CACHE_LOOP``, which exports them per node
+beside kvgate's predictions (and ``/debug/nodes`` shows both), so one query compares prediction
+and delivery (alert in ``docs/real-vllm.md``). A node whose keys silently differ from
 kvgate's shows predictions with no matching hits.
 
 The engine's counters include requests kvgate did not route (other gateways, the doctor); compare
@@ -83,4 +84,4 @@ class EngineCacheScraper:
             return
         if counters is None:  # not vLLM (or prefix caching off): nothing to compare
             return
-        metrics.ENGINE_CACHE.values[node_id] = counters
+        metrics.CACHE_LOOP.engine[node_id] = counters

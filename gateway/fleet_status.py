@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from directory_client.types import Directory, DirectoryUnavailable, NodeView
+from gateway import metrics
 
 
 class BridgeStats(Protocol):
@@ -40,6 +41,7 @@ class NodeStatus:
     prefill_tokens: int = 0
     cached_blocks: int | None = None
     bridge: dict[str, Any] | None = None  # the in-process bridge's view of this engine, if any
+    cache_loop: dict[str, float] | None = None  # predicted vs delivered tokens (metrics.NodeCacheLoop.view)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,7 @@ class FleetMonitor:
             prefill_tokens=load.prefill_tokens,
             cached_blocks=cached,
             bridge=_bridge_view(stats),
+            cache_loop=metrics.CACHE_LOOP.view(info.node_id),
         )
 
 

@@ -56,54 +56,64 @@ CACHED_TOKENS = Counter(
     "Prompt tokens the chosen node was expected to hold (locally or by pull)",
     registry=REGISTRY,
 )
-NODE_EXPECTED_CACHED = Counter(
-    "kvgate_node_expected_cached_tokens",
-    "Prompt tokens the chosen node was expected to hold, per node (compare with kvgate_engine_prefix_cache_hit_tokens)",
-    ["node"],
-    registry=REGISTRY,
-)
-NODE_PROMPT_TOKENS = Counter("kvgate_node_prompt_tokens", "Prompt tokens routed to each node", ["node"], registry=REGISTRY)
+class NodeCacheLoop(Collector):
+    """Per node, what kvgate predicted beside what the engine says it delivered (the closed loop).
 
-
-class EngineCacheCounters(Collector):
-    """The engines' own prefix-cache counters, as last scraped (``gateway.engine_scrape``).
-
-    Exported as counters (they are the engines' counters, resets included), so ``rate()`` applies.
+    ``count`` is called on the request path (plain additions on the event loop's thread: cheaper
+    than a labelled prometheus Counter's lock); ``engine`` is set by ``gateway.engine_scrape``
+    from the engine's own counters. Exported as counters, so ``rate()`` applies; ``view`` is what
+    ``/debug/nodes`` shows.
     """
 
     def __init__(self) -> None:
-        self.values: dict[str, tuple[float, float]] = {}  # node → (hits, queries)
+        self.routed: dict[str, list[int]] = {}  # node → [prompt tokens routed, tokens expected cached]
+        self.engine: dict[str, tuple[float, float]] = {}  # node → (hit tokens, query tokens), as scraped
+
+    def count(self, node_id: str, prompt_tokens: int, expected_cached: int) -> None:
+        r = self.routed.get(node_id)
+        if r is None:
+            r = self.routed[node_id] = [0, 0]
+        r[0] += prompt_tokens
+        r[1] += expected_cached
+
+    def view(self, node_id: str) -> dict[str, float] | None:
+        routed, engine = self.routed.get(node_id), self.engine.get(node_id)
+        if routed is None and engine is None:
+            return None
+        out: dict[str, float] = {}
+        if routed is not None:
+            out.update(routed_prompt_tokens=routed[0], expected_cached_tokens=routed[1])
+        if engine is not None:
+            out.update(engine_hit_tokens=engine[0], engine_query_tokens=engine[1])
+        return out
 
     def collect(self) -> list[Metric]:
-        hits = CounterMetricFamily(
-            "kvgate_engine_prefix_cache_hit_tokens",
-            "The node's own count of prompt tokens served from its prefix cache (vLLM vllm:prefix_cache_hits_total)",
-            labels=["node"],
-        )
-        queries = CounterMetricFamily(
-            "kvgate_engine_prefix_cache_query_tokens",
-            "The node's own count of prompt tokens looked up in its prefix cache (vLLM vllm:prefix_cache_queries_total)",
-            labels=["node"],
-        )
-        for node, (h, q) in sorted(self.values.items()):
-            hits.add_metric([node], h)
-            queries.add_metric([node], q)
-        return [hits, queries]
+        families = {
+            name: CounterMetricFamily(name, help_text, labels=["node"])
+            for name, help_text in (
+                ("kvgate_node_prompt_tokens", "Prompt tokens routed to each node"),
+                ("kvgate_node_expected_cached_tokens",
+                 "Prompt tokens the chosen node was expected to hold, per node (compare with kvgate_engine_prefix_cache_hit_tokens)"),
+                ("kvgate_engine_prefix_cache_hit_tokens",
+                 "The node's own count of prompt tokens served from its prefix cache (vLLM vllm:prefix_cache_hits_total)"),
+                ("kvgate_engine_prefix_cache_query_tokens",
+                 "The node's own count of prompt tokens looked up in its prefix cache (vLLM vllm:prefix_cache_queries_total)"),
+            )
+        }
+        for node, (prompt, expected) in sorted(self.routed.items()):
+            families["kvgate_node_prompt_tokens"].add_metric([node], prompt)
+            families["kvgate_node_expected_cached_tokens"].add_metric([node], expected)
+        for node, (hits, queries) in sorted(self.engine.items()):
+            families["kvgate_engine_prefix_cache_hit_tokens"].add_metric([node], hits)
+            families["kvgate_engine_prefix_cache_query_tokens"].add_metric([node], queries)
+        return list(families.values())
 
 
-ENGINE_CACHE = EngineCacheCounters()
-REGISTRY.register(ENGINE_CACHE)
+CACHE_LOOP = NodeCacheLoop()
+REGISTRY.register(CACHE_LOOP)
 ENGINE_SCRAPE_ERRORS = Counter(
     "kvgate_engine_scrape_errors", "Failed scrapes of a node's /metrics (engine cache counters)", ["node"], registry=REGISTRY
 )
-
-
-@cache
-def node_tokens(node_id: str) -> tuple[Counter, Counter]:
-    """The bound per-node (prompt, expected cached) children, once per node."""
-    return NODE_PROMPT_TOKENS.labels(node_id), NODE_EXPECTED_CACHED.labels(node_id)
-
-
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 

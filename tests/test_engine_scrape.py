@@ -46,12 +46,12 @@ async def test_a_node_that_fails_is_counted_and_keeps_its_last_values() -> None:
     try:
         for node_id, address in scraper.nodes:
             await scraper.scrape(node_id, address)
-        assert metrics.ENGINE_CACHE.values["good"] == (2080.0, 5120.0)
-        assert "down" not in metrics.ENGINE_CACHE.values
+        assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)
+        assert "down" not in metrics.CACHE_LOOP.engine
         assert errors._value.get() >= before + 1
         await runner.cleanup()  # the good node goes away: its figures stay as last scraped
         await scraper.scrape("good", f"127.0.0.1:{port}")
-        assert metrics.ENGINE_CACHE.values["good"] == (2080.0, 5120.0)
+        assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)
     finally:
         await scraper.aclose()
         await runner.cleanup()

@@ -406,7 +406,8 @@ def test_predicted_cached_tokens_equal_what_the_engine_delivered(stack: Stack) -
     """A prompt sent twice through the gateway: on the second, kvgate's prediction for the node
     it chose (kvgate_node_expected_cached_tokens_total) equals the engine's own count of tokens
     served from its prefix cache (vllm:prefix_cache_hits_total, scraped into
-    kvgate_engine_prefix_cache_hit_tokens_total) and the response's cached_tokens."""
+    kvgate_engine_prefix_cache_hit_tokens_total) and the response's cached_tokens; /debug/nodes
+    shows both per node."""
     seed = next(s for s in range(40, 80) if len(stack.tokenizer.tokenize_body(*_chat("x" * 12, [{"role": "user", "content": _text(s)}])).token_ids) % BLOCK_SIZE)
     path, body = _chat(uuid.uuid4().hex[:12], [{"role": "user", "content": _text(seed)}])
     full = len(stack.tokenizer.tokenize_body(path, body).token_ids) // BLOCK_SIZE
@@ -426,3 +427,14 @@ def test_predicted_cached_tokens_equal_what_the_engine_delivered(stack: Stack) -
     wait_until(lambda: delta("kvgate_engine_prefix_cache_query_tokens_total") > 0, timeout_s=10, what="a scrape after the request")
     assert delta("kvgate_node_expected_cached_tokens_total") == delivered_in_response
     assert delta("kvgate_engine_prefix_cache_hit_tokens_total") == delivered_in_response
+    series = _node_series(stack)
+    want = {"expected_cached_tokens": series[("kvgate_node_expected_cached_tokens_total", node)],
+            "engine_hit_tokens": series[("kvgate_engine_prefix_cache_hit_tokens_total", node)]}
+
+    def shown() -> dict[str, float]:  # /debug/nodes serves a snapshot at most 1 s old
+        req = urllib.request.Request(stack.admin_url + "/debug/nodes", headers={"Authorization": f"Bearer {TOKEN}"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            loop = next(n["cache_loop"] for n in json.loads(resp.read())["nodes"] if n["node_id"] == node)
+        return {k: loop[k] for k in want}
+
+    wait_until(lambda: shown() == want, timeout_s=5, what=f"/debug/nodes showing {want} for {node}")
