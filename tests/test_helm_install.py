@@ -51,6 +51,19 @@ def _validate(docs: list[dict]) -> None:
             kv.validate(doc, "1.37.0", strict=True)
 
 
+# --- the ServiceMonitor needs its CRD -------------------------------------------------------------
+
+
+def test_a_service_monitor_without_its_crd_fails_the_install_saying_so(chart: Any) -> None:
+    """Before: the ServiceMonitor rendered on any cluster, and an install where the Prometheus
+    Operator is missing failed half-applied ("no matches for kind ServiceMonitor"). After: the
+    render stops first and says what to do (the offline renderer serves no such API)."""
+    with pytest.raises(helm.HelmRenderError, match="needs the Prometheus Operator's ServiceMonitor CRD"):
+        render(chart, _with(serviceMonitor={"enabled": True}))
+    docs = render(chart, _with(serviceMonitor={"enabled": True, "crdCheck": False}))  # helm template, GitOps
+    assert [d["kind"] for d in docs].count("ServiceMonitor") == 1
+
+
 # --- the model's tokenizer -------------------------------------------------------------------------
 
 
