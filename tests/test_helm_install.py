@@ -170,6 +170,33 @@ def test_external_redis_over_tls_gets_its_ca_mounted(chart: Any) -> None:
         assert name == key and volumes[mounts[folder]]["secret"]["secretName"] == "redis-ca"
 
 
+def test_bridges_get_the_redis_tls_files_too(chart: Any) -> None:
+    """Before: only the gateway had the CA mounted; standalone and sidecar bridges could not
+    verify a `rediss://` Redis. After: each bridge container mounts the files and names them in
+    the variables `kvgate bridge` reads (its --tls-*-file defaults)."""
+    values = copy.deepcopy(VALUE_SETS["external-redis"])
+    values["redis"]["external"]["tls"] = {"secretName": "redis-ca", "caKey": "ca.crt", "certKey": "", "keyKey": ""}
+    values["fleet"] = {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}]}
+    values["bridge"] = {"standalone": {"enabled": True, "engines": [
+        {"node_id": "n1", "address": "10.0.0.11:8000", "events": "tcp://10.0.0.11:5557"}]}}  # fmt: skip
+    docs = render(chart, values)
+    _validate(docs)
+    pod = _pod(docs, "-bridge")
+    bridge = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in bridge["env"]}
+    assert env["KVGATE_DIRECTORY__TLS_CA_FILE"] == "/var/run/kvgate/redis-tls/ca.crt"
+    assert "KVGATE_DIRECTORY__TLS_CERT_FILE" not in env  # no client certificate asked for
+    assert {"name": "redis-tls", "mountPath": "/var/run/kvgate/redis-tls", "readOnly": True} in bridge["volumeMounts"]
+    assert {"name": "redis-tls", "secret": {"secretName": "redis-ca"}} in pod["volumes"]
+
+    sidecars = copy.deepcopy(VALUE_SETS["sidecar-bridges"])
+    sidecars["redis"] = values["redis"]
+    sidecar = one(render(chart, sidecars), "ConfigMap", "-bridge-sidecar")["data"]
+    container = yaml.safe_load(sidecar["container.yaml"])
+    assert any(e["name"] == "KVGATE_DIRECTORY__TLS_CA_FILE" for e in container["env"])
+    assert yaml.safe_load(sidecar["volumes.yaml"]) == [{"name": "redis-tls", "secret": {"secretName": "redis-ca"}}]
+
+
 def test_sidecar_bridges_need_no_static_fleet_and_refuse_a_duplicate_one(chart: Any, tmp_path: Path) -> None:
     """Before: sidecars as documented failed ("no fleet"), and filling fleet.static registered
     every engine twice (under the static id and under the pod's name)."""
