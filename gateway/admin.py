@@ -55,12 +55,7 @@ def build_admin_app(
         if tokenizer is not None:
             try:
                 tokenizer.encode_text("ready", add_special_tokens=False)
-                body["tokenizer"] = {
-                    "loaded": True,
-                    "source": str(tokenizer.source_path),
-                    "vocab": tokenizer.vocab_size,
-                    "chat_template": tokenizer.template.origin,  # which file: a wrong one keys nothing
-                }
+                body["tokenizer"] = {"loaded": True, **tokenizer.loaded()}
             except Exception as e:  # a broken tokenizer makes every decision fail open: not ready
                 ready = False
                 body["tokenizer"] = {"loaded": False, "error": f"{type(e).__name__}: {e}"}

@@ -208,11 +208,18 @@ def _salt_of(ev: BlockStored) -> str | None:
     return salt
 
 
-def diagnose(cfg: KvgateConfig, *, timeout_s: float = 10.0, only: str | None = None) -> list[Finding]:
+def diagnose(
+    cfg: KvgateConfig, *, timeout_s: float = 10.0, only: str | None = None, tokenizer: PromptTokenizer | None = None
+) -> list[Finding]:
     """Every configured node's finding (or only ``only``'s)."""
-    tokenizer = PromptTokenizer(cfg.tokenizer.source, chat_template=cfg.tokenizer.chat_template)
+    tokenizer = tokenizer or load_tokenizer(cfg)
     nodes = [n for n in cfg.fleet if only is None or n.node_id == only]
     return [NodeDoctor(cfg, n, tokenizer, timeout_s=timeout_s).run() for n in nodes]
+
+
+def load_tokenizer(cfg: KvgateConfig) -> PromptTokenizer:
+    """The tokenizer and chat template ``kvgate serve`` loads with this config."""
+    return PromptTokenizer(cfg.tokenizer.source, chat_template=cfg.tokenizer.chat_template)
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -231,7 +238,13 @@ def run(args: argparse.Namespace) -> int:
     if not cfg.fleet:
         print("kvgate doctor: no nodes in `fleet` to check", file=sys.stderr)
         return 2
-    findings = diagnose(cfg, timeout_s=args.timeout, only=args.node)
+    tokenizer = load_tokenizer(cfg)
+    loaded = tokenizer.loaded()  # what every check below compares the engines against
+    if args.json:
+        print(json.dumps({"kvgate": loaded}))
+    else:
+        print(f"kvgate: tokenizer {loaded['source']} (vocab {loaded['vocab']}), chat template {loaded['chat_template']}")
+    findings = diagnose(cfg, timeout_s=args.timeout, only=args.node, tokenizer=tokenizer)
     for f in findings:
         print(json.dumps(asdict(f)) if args.json else f.line())
     return 0 if findings and all(f.ok for f in findings) else 1

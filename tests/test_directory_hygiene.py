@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from gateway.config import ConfigError, load_config
 from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
 from tests.support.http import eventually, get_json
-from tests.support.procs import start_kvgate
+from tests.support.procs import python_module, start_kvgate
 from tokenizer.keys import block_keys, namespace_seed
 
 
@@ -183,6 +184,21 @@ async def test_tls_redis_with_a_ca_file(tls_redis) -> None:
     d = open_directory(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}", key_prefix="tls", heartbeat_ttl_s=5, index_stride=1)
     assert [n.node_id for n in await d.live_nodes()] == ["t"]
     await d.aclose()
+
+
+def test_the_bridge_verifies_tls_redis_with_the_ca_named_in_its_environment(tls_redis, tmp_path: Path) -> None:
+    """`kvgate bridge` reads KVGATE_DIRECTORY__TLS_CA_FILE (what the chart sets beside the mounted
+    Secret): with it the directory answers at start; without it the bridge says it cannot reach it."""
+    port, ca = tls_redis
+    args = ["--directory", f"rediss://127.0.0.1:{port}/0", "--model", "m", "--key-prefix", f"tls-{uuid.uuid4().hex[:8]}",
+            "--engine", f"node_id=n1,address=127.0.0.1:{free_port()},events=tcp://127.0.0.1:{free_port()}"]  # fmt: skip
+    for env, reachable in (({"KVGATE_DIRECTORY__TLS_CA_FILE": str(ca)}, True), ({}, False)):
+        proc = python_module("bridge", "gateway.cli", ["bridge", *args], tmp_path, env=env)
+        try:
+            eventually(lambda: "following 1 engine" in proc.output(), timeout_s=30)
+        finally:
+            proc.stop()
+        assert ("directory unavailable at start" not in proc.output()) is reachable, proc.output()
 
 
 async def test_tls_redis_refuses_what_cannot_verify_it(tls_redis) -> None:

@@ -46,7 +46,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "fleet": {"discovery": {"source": "pods", "namespace": "engines", "labelSelector": "app=vllm",
                                 "port": "http", "eventsPort": "kv-events", "replayPort": None, "transferPort": 7000}},  # fmt: skip
         "envoy": {"fallback": ["vllm.engines.svc.cluster.local:8000"]},
-        "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "serviceMonitor": {"enabled": True, "crdCheck": False, "labels": {"release": "prometheus"}},
     },
     "minimal": {
         "redis": {"mode": "none"},
@@ -66,7 +66,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                        {"node_id": "n2", "address": "10.0.0.12:8000", "events": "tcp://10.0.0.12:5557"}]}},
         "redis": {"bundled": {"persistence": {"enabled": True, "storageClass": "fast"}}},
         "gateway": {"config": {"directory": {"heartbeat_ttl_s": 6}}},
-        "serviceMonitor": {"enabled": True},
+        "serviceMonitor": {"enabled": True, "crdCheck": False},
     },  # fmt: skip
     "sidecar-bridges": {
         "models": [MODEL],

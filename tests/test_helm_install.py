@@ -51,6 +51,19 @@ def _validate(docs: list[dict]) -> None:
             kv.validate(doc, "1.37.0", strict=True)
 
 
+# --- the ServiceMonitor needs its CRD -------------------------------------------------------------
+
+
+def test_a_service_monitor_without_its_crd_fails_the_install_saying_so(chart: Any) -> None:
+    """Before: the ServiceMonitor rendered on any cluster, and an install where the Prometheus
+    Operator is missing failed half-applied ("no matches for kind ServiceMonitor"). After: the
+    render stops first and says what to do (the offline renderer serves no such API)."""
+    with pytest.raises(helm.HelmRenderError, match="needs the Prometheus Operator's ServiceMonitor CRD"):
+        render(chart, _with(serviceMonitor={"enabled": True}))
+    docs = render(chart, _with(serviceMonitor={"enabled": True, "crdCheck": False}))  # helm template, GitOps
+    assert [d["kind"] for d in docs].count("ServiceMonitor") == 1
+
+
 # --- the model's tokenizer -------------------------------------------------------------------------
 
 
@@ -155,6 +168,33 @@ def test_external_redis_over_tls_gets_its_ca_mounted(chart: Any) -> None:
     for field, key in (("tls_ca_file", "ca.crt"), ("tls_cert_file", "tls.crt"), ("tls_key_file", "tls.key")):
         folder, _, name = directory[field].rpartition("/")
         assert name == key and volumes[mounts[folder]]["secret"]["secretName"] == "redis-ca"
+
+
+def test_bridges_get_the_redis_tls_files_too(chart: Any) -> None:
+    """Before: only the gateway had the CA mounted; standalone and sidecar bridges could not
+    verify a `rediss://` Redis. After: each bridge container mounts the files and names them in
+    the variables `kvgate bridge` reads (its --tls-*-file defaults)."""
+    values = copy.deepcopy(VALUE_SETS["external-redis"])
+    values["redis"]["external"]["tls"] = {"secretName": "redis-ca", "caKey": "ca.crt", "certKey": "", "keyKey": ""}
+    values["fleet"] = {"discovery": {"enabled": False}, "static": [{"node_id": "n1", "address": "10.0.0.11:8000"}]}
+    values["bridge"] = {"standalone": {"enabled": True, "engines": [
+        {"node_id": "n1", "address": "10.0.0.11:8000", "events": "tcp://10.0.0.11:5557"}]}}  # fmt: skip
+    docs = render(chart, values)
+    _validate(docs)
+    pod = _pod(docs, "-bridge")
+    bridge = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in bridge["env"]}
+    assert env["KVGATE_DIRECTORY__TLS_CA_FILE"] == "/var/run/kvgate/redis-tls/ca.crt"
+    assert "KVGATE_DIRECTORY__TLS_CERT_FILE" not in env  # no client certificate asked for
+    assert {"name": "redis-tls", "mountPath": "/var/run/kvgate/redis-tls", "readOnly": True} in bridge["volumeMounts"]
+    assert {"name": "redis-tls", "secret": {"secretName": "redis-ca"}} in pod["volumes"]
+
+    sidecars = copy.deepcopy(VALUE_SETS["sidecar-bridges"])
+    sidecars["redis"] = values["redis"]
+    sidecar = one(render(chart, sidecars), "ConfigMap", "-bridge-sidecar")["data"]
+    container = yaml.safe_load(sidecar["container.yaml"])
+    assert any(e["name"] == "KVGATE_DIRECTORY__TLS_CA_FILE" for e in container["env"])
+    assert yaml.safe_load(sidecar["volumes.yaml"]) == [{"name": "redis-tls", "secret": {"secretName": "redis-ca"}}]
 
 
 def test_sidecar_bridges_need_no_static_fleet_and_refuse_a_duplicate_one(chart: Any, tmp_path: Path) -> None:

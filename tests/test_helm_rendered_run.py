@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -344,13 +345,25 @@ def test_tls_to_the_decision_port_routes_and_plaintext_is_refused(stack: Rendere
     docs = render(stack.chart, {**values(stack.prefix), "gateway": {
         **values(stack.prefix)["gateway"], "tls": {"enabled": True, "secretName": "kvgate-tls"}}})  # fmt: skip
     headless = "kv-kvgate-gateway-headless.llm.svc.cluster.local"
-    certs = stack.tmp / "kvgate-tls"
+    certs = stack.tmp / "kvgate-tls"  # laid out as Kubernetes mounts a Secret: files -> ..data -> a version
     certs.mkdir()
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2", "-subj", "/CN=test-ca", cwd=certs)
-    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={headless}", cwd=certs)
     (certs / "ext.cnf").write_text(f"subjectAltName=DNS:{headless}\n")
-    _openssl("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-out", "tls.crt",
-             "-days", "2", "-extfile", "ext.cnf", cwd=certs)  # fmt: skip
+
+    def secret_version(version: str) -> None:
+        """A new certificate in ``..version``, then ``..data`` swapped to it atomically (as the kubelet does)."""
+        folder = certs / f"..{version}"
+        folder.mkdir()
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "tls.key", "-out", "tls.csr", "-subj", f"/CN={headless}", cwd=folder)
+        _openssl("x509", "-req", "-in", "tls.csr", "-CA", "../ca.crt", "-CAkey", "../ca.key", "-CAcreateserial",
+                 "-out", "tls.crt", "-days", "2", "-extfile", "../ext.cnf", cwd=folder)  # fmt: skip
+        (certs / "..data_tmp").symlink_to(folder.name)
+        (certs / "..data_tmp").rename(certs / "..data")
+        for name in ("tls.crt", "tls.key"):
+            if not (certs / name).is_symlink():
+                (certs / name).symlink_to(f"..data/{name}")
+
+    secret_version("v1")
 
     ports = Ports()  # engines and kvgate as already running; new ports for the new Envoys
     ports.map = {k: v for k, v in stack.ports.map.items() if k[0] in NODES.values() or k[0] in ("gateway", headless)}
@@ -361,7 +374,9 @@ def test_tls_to_the_decision_port_routes_and_plaintext_is_refused(stack: Rendere
     def local_files(text: str) -> str:
         return text.replace("/var/run/kvgate-tls", str(certs))  # the Secret's mount
 
-    proxy_boot = yaml.safe_load(local_files(one(docs, "ConfigMap", "-gateway")["data"]["tls-proxy.yaml"]))
+    gateway_files = one(docs, "ConfigMap", "-gateway")["data"]
+    (stack.tmp / "tls-sds.yaml").write_text(local_files(gateway_files["tls-sds.yaml"]))
+    proxy_boot = yaml.safe_load(local_files(gateway_files["tls-proxy.yaml"]).replace("/etc/kvgate/", f"{stack.tmp}/"))
     proxy_ports = Ports()
     proxy_ports.map = {("0.0.0.0", 9443): sidecar_port, ("127.0.0.1", 9002): served}
     (stack.tmp / "tls-proxy.yaml").write_text(yaml.safe_dump(patch_bootstrap(proxy_boot, proxy_ports)))
@@ -385,6 +400,15 @@ def test_tls_to_the_decision_port_routes_and_plaintext_is_refused(stack: Rendere
         assert status == 200, raw[:300]
     assert stack.metric("kvgate_decisions_total", "") - decided >= 4
     assert stack.metric("kvgate_fail_open_total", "") == failed_open
+
+    # A renewed Secret is served without a restart (before: the sidecar read its files once).
+    served_before = ssl.get_server_certificate(("127.0.0.1", sidecar_port))
+    secret_version("v2")
+    eventually(lambda: ssl.get_server_certificate(("127.0.0.1", sidecar_port)) != served_before, timeout_s=20)
+    assert ssl.get_server_certificate(("127.0.0.1", sidecar_port)).strip() == (certs / "tls.crt").read_text().strip()
+    status, _, raw = request(f"http://127.0.0.1:{listen}/v1/chat/completions", method="POST", body=body,
+                             headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert status == 200 and stack.metric("kvgate_fail_open_total", "") == failed_open, raw[:300]
 
     import grpc  # a client that speaks plaintext h2c, as Envoy did before: no answer on the TLS port
 

@@ -166,6 +166,10 @@ class PromptTokenizer:
         """Chat messages → prompt text through the chat template (see ``chat_template``)."""
         return self.template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
 
+    def loaded(self) -> dict[str, object]:
+        """Which tokenizer and chat template this is: another model's keys nothing, silently."""
+        return {"source": str(self.source_path), "vocab": self.vocab_size, "chat_template": self.template.origin}
+
     def encode_text(self, text: str, *, add_special_tokens: bool) -> np.ndarray:
         """Token IDs of ``text`` (uint32, read-only), equal to the tokenizer's own encoding."""
         return self._encoder.encode(text, add_special_tokens=add_special_tokens)

@@ -35,6 +35,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("KVGATE_DIRECTORY__URL", "redis://127.0.0.1:6379/0"),
         help="directory URL (redis://…, redis+cluster://…; default: $KVGATE_DIRECTORY__URL)",
     )
+    for part, what in (("ca", "CA bundle that signed the Redis server's certificate"),
+                       ("cert", "client certificate, if Redis asks for one"), ("key", "the client certificate's key")):
+        env = f"KVGATE_DIRECTORY__TLS_{part.upper()}_FILE"  # the names `kvgate serve` reads too
+        parser.add_argument(
+            f"--tls-{part}-file", default=os.environ.get(env, ""), help=f"rediss://: PEM {what} (default: ${env})"
+        )
     parser.add_argument("--key-prefix", default="kvgate", help="key prefix of the directory in Redis")
     parser.add_argument("--index-stride", type=int, default=None, help="directory index stride (must match the gateway's)")
     parser.add_argument("--model", required=True, help="served model name: seeds the block keys (must match the gateway's)")
@@ -90,7 +96,8 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
         return 2
     try:
         directory = open_directory(
-            args.directory, key_prefix=args.key_prefix, heartbeat_ttl_s=ttl, index_stride=args.index_stride
+            args.directory, key_prefix=args.key_prefix, heartbeat_ttl_s=ttl, index_stride=args.index_stride,
+            tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
         )
     except ValueError as exc:
         log.error("%s", exc)

@@ -1,6 +1,7 @@
 {{/*
 The KV-event bridge container: (dict "root" $ "engines" (list "node_id=…,address=…,events=…") "metricsPort" 0).
-The directory URL (with the password) reaches it in KVGATE_DIRECTORY__URL, never as an argument. Key prefix, model, block size and heartbeat TTL are the gateway's, so what the
+The directory URL (with the password) reaches it in KVGATE_DIRECTORY__URL, never as an argument; with
+redis.external.tls the Secret's files are mounted (volume `redis-tls`) and named in KVGATE_DIRECTORY__TLS_*_FILE. Key prefix, model, block size and heartbeat TTL are the gateway's, so what the
 bridge writes is what the gateway reads.
 */}}
 {{- define "kvgate.bridgeContainer" -}}
@@ -42,12 +43,17 @@ env:
     valueFrom:
       fieldRef: {fieldPath: status.podIP}
   {{- include "kvgate.directoryEnv" $root | nindent 2 }}
+  {{- include "kvgate.redisTlsEnv" $root | nindent 2 }}
   {{- with .extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
-{{- with .extraVolumeMounts }}
+{{- $tlsMount := include "kvgate.redisTlsMount" $root }}
+{{- if or $tlsMount .extraVolumeMounts }}
 volumeMounts:
+  {{- $tlsMount | nindent 2 }}
+  {{- with .extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end }}
 {{- if .metricsPort }}
 ports:

@@ -304,6 +304,19 @@ topologySpreadConstraints:
 {{- end }}
 {{- end -}}
 
+{{/* The same files named for `kvgate bridge` (its --tls-*-file flags read these variables). */}}
+{{- define "kvgate.redisTlsEnv" -}}
+{{- $tls := .Values.redis.external.tls -}}
+{{- if and (eq .Values.redis.mode "external") $tls.secretName }}
+{{- range $part, $key := dict "CA" $tls.caKey "CERT" $tls.certKey "KEY" $tls.keyKey }}
+{{- if $key }}
+- name: KVGATE_DIRECTORY__TLS_{{ $part }}_FILE
+  value: /var/run/kvgate/redis-tls/{{ $key }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
 {{- define "kvgate.redisTlsMount" -}}
 {{- if and (eq .Values.redis.mode "external") .Values.redis.external.tls.secretName }}
 - {name: redis-tls, mountPath: /var/run/kvgate/redis-tls, readOnly: true}
