@@ -65,9 +65,8 @@ def main() -> None:
     p.add_argument("--name", required=True)
     p.add_argument("--delay", type=float, default=0.0)
     p.add_argument("--fail-status", type=int, default=0, help="answer every request with this status (0: never)")
-    p.add_argument("--host", default="127.0.0.1")
     a = p.parse_args()
-    web.run_app(build_app(a.name, a.delay, a.fail_status), host=a.host, port=a.port, print=None, access_log=None)
+    web.run_app(build_app(a.name, a.delay, a.fail_status), host="127.0.0.1", port=a.port, print=None, access_log=None)
 
 
 if __name__ == "__main__":

@@ -18,19 +18,17 @@ from gateway.envoy_config import EnvoySettings, render_yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def wait_for_port(
-    port: int, *, timeout_s: float = 20.0, proc: subprocess.Popen | None = None, host: str = "127.0.0.1"
-) -> None:
+def wait_for_port(port: int, *, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
         with socket.socket() as s:
             s.settimeout(0.2)
-            if s.connect_ex((host, port)) == 0:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s}s")
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
 
 
 class Proc:
@@ -67,12 +65,10 @@ def python_module(name: str, module: str, args: Sequence[str], log_dir: Path, en
     return Proc(name, [sys.executable, "-m", module, *args], log_dir, env)
 
 
-def start_echo(
-    name: str, port: int, log_dir: Path, *, delay_s: float = 0.0, fail_status: int = 0, host: str = "127.0.0.1"
-) -> Proc:
-    args = ["--port", str(port), "--name", name, "--delay", str(delay_s), "--fail-status", str(fail_status), "--host", host]
+def start_echo(name: str, port: int, log_dir: Path, *, delay_s: float = 0.0, fail_status: int = 0) -> Proc:
+    args = ["--port", str(port), "--name", name, "--delay", str(delay_s), "--fail-status", str(fail_status)]
     p = python_module(f"echo-{name}", "tests.support.echo_upstream", args, log_dir)
-    wait_for_port(port, proc=p.popen, host=host)
+    wait_for_port(port, proc=p.popen)
     return p
 
 
