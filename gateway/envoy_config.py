@@ -276,13 +276,7 @@ def _health(s: EnvoySettings, check: dict) -> dict:
                 **check,
             }
         ],
-        "outlier_detection": {
-            "consecutive_5xx": 3,
-            "consecutive_gateway_failure": 2,
-            "interval": interval,
-            "base_ejection_time": "5s",
-            "max_ejection_percent": 50,
-        },
+        **_outlier_detection(s),
     }
 
 

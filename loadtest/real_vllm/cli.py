@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from loadtest.cli import configure_modes, run_mode
 
 _MODES = {
     "install": ("loadtest.real_vllm.install", "install vLLM (CPU build) into a venv of its own (default .venv-vllm)"),
@@ -12,11 +13,8 @@ _MODES = {
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="mode", required=True, metavar="MODE")
-    for name, (module, help_text) in _MODES.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        importlib.import_module(module).configure(p)
+    configure_modes(parser, _MODES)
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(_MODES[args.mode][0]).run(args) or 0)
+    return run_mode(args, _MODES)
