@@ -114,7 +114,7 @@ class Reservation:
 class Directory(Protocol):
     """One async interface over the in-process, Redis and Redis Cluster backends.
 
-    Semantics (DESIGN.md §3): an entry means "node N held block K in tier M"; entries of nodes
+    Semantics: an entry means "node N held block K in tier M"; entries of nodes
     whose heartbeat expired are never returned; lookups stop at the first missing block; writes
     are idempotent. Every method raises ``DirectoryUnavailable`` (and nothing else) when the
     backend is down.

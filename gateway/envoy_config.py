@@ -1,6 +1,6 @@
 """Render the Envoy bootstrap that puts kvgate in front of a fleet (``kvgate envoy-config``).
 
-What the rendered config does, and why (FACTS.md, "Envoy + ext_proc"):
+What the rendered config does, and why (each point measured with Envoy 1.40):
 - client-supplied kvgate headers are stripped by ``early_header_mutation_extensions`` before any
   filter runs, so a client can never pick its own node or order a pull;
 - the ext_proc filter gets request headers (``SEND``: with ``SKIP`` the host is picked before the

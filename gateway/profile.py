@@ -1,7 +1,7 @@
 """Hardware profiles: how long prefill, decode and KV transfer take on one node.
 
-One source of truth for two users: the gateway's cost model (DESIGN.md §4) estimates time to
-first token with it, and the simulated engine (DESIGN.md §5) sleeps for it. Profiles are YAML
+One source of truth for two users: the gateway's cost model estimates time to
+first token with it, and the simulated engine sleeps for it. Profiles are YAML
 files; the shipped ones live beside this module and cite the public figures they come from.
 """
 

@@ -99,8 +99,10 @@ class Decision:
     def destination_header(self) -> str:
         """Value of x-gateway-destination-endpoint: the chosen node only.
 
-        The Gateway API Inference Extension allows ``ip:port,ip:port``, but Envoy's ORIGINAL_DST
-        cluster parses the header as one address and answers 503 to a list (measured on 1.40),
-        so the fallbacks stay in the decision's explanation and Envoy's retry goes elsewhere.
+        The Gateway API Inference Extension allows ``ip:port,ip:port``, and kvgate's own bootstrap
+        (override-host load balancing) would take a list, but the integrations that build an
+        ORIGINAL_DST cluster (Envoy Gateway, Istio) parse the header as one address and answer
+        503 to a list (measured on Envoy 1.40); so the fallbacks stay in the decision's
+        explanation, and Envoy's retry goes to another node by itself.
         """
         return "" if self.node is None else self.node.address

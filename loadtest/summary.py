@@ -1,4 +1,4 @@
-"""Per-policy figures from request records (DESIGN.md §6), one function for replay and simulate.
+"""Per-policy figures from request records, one function for replay and simulate.
 
 Definitions:
 - ``hit_rate`` = cached prompt tokens ÷ prompt tokens over successful requests (``_local``: found

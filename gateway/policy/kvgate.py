@@ -48,7 +48,7 @@ DEFAULT_SESSION_SLACK = 0.25
 
 
 class KvgatePolicy:
-    """DESIGN.md §4 cost model; ``allow_pull=False`` gives ``kvgate_nopull``."""
+    """The cost model (``gateway/policy/README.md``); ``allow_pull=False`` gives ``kvgate_nopull``."""
 
     def __init__(
         self,
