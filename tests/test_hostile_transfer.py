@@ -10,6 +10,7 @@ node told to pull from an endpoint outside its fleet refuses without contacting 
 
 from __future__ import annotations
 
+import json
 import time
 
 import aiohttp
@@ -18,7 +19,8 @@ import pytest
 from tests.support.transfer import SECRET, signed
 from tests.test_transfer_mooncake import in_process_owner, puller
 from workers.transfer import TransferError
-from workers.transfer.auth import PeerAuth
+from workers.transfer.agent import transfer_counters
+from workers.transfer.auth import MAX_SKEW_S, PeerAuth, ReplayCache, ReplayCacheFull
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -105,3 +107,41 @@ async def test_a_node_never_pulls_from_an_endpoint_outside_its_fleet() -> None:
         await agent.close()
         await rogue.close()
         await owner.close()
+
+
+async def test_a_captured_signed_request_cannot_be_replayed_within_its_window() -> None:
+    """Before: a signed lease request captured on the wire could be sent again to the same agent for
+    30 s, each copy taking a new lease (pinning blocks, using the peer's quota). Now: the first copy
+    is served, every replay gets 401 ``replayed`` and is counted
+    (``kvgate_transfer_replayed_requests_total``); nothing more is pinned."""
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    body = json.dumps({"hashes": chain, "start": 0}).encode()
+    captured = PeerAuth(SECRET, "peer").sign("POST", ep, "/kv/lease", body)
+    try:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://{ep}/kv/lease", data=body, headers=captured) as r:
+                assert r.status == 200 and (await r.json())["held"] == len(chain)
+            for _ in range(3):
+                async with s.post(f"http://{ep}/kv/lease", data=body, headers=captured) as r:
+                    assert r.status == 401 and "replayed" in (await r.json())["error"]
+        assert owner.stats.leases == 1 and holder.pinned == len(chain)
+        assert owner.stats.replayed == 3 and owner.stats.unauthenticated == 3
+        metrics = {name: value for name, _, value in transfer_counters(owner.stats)}
+        assert metrics["kvgate_transfer_replayed_requests"] == 3
+    finally:
+        await owner.close()
+
+
+def test_the_replay_cache_is_bounded_and_forgets_with_the_window() -> None:
+    """Memory: at most ``capacity`` signatures, each kept only while its request could still be
+    accepted (twice the clock skew allowed). Full of live signatures, it refuses new requests (503)
+    rather than forget one that could be replayed."""
+    now = [1000.0]
+    cache = ReplayCache(capacity=3, clock=lambda: now[0])
+    assert [cache.admit(s) for s in ("a", "b", "c")] == [True, True, True]
+    assert cache.admit("a") is False  # a replay
+    with pytest.raises(ReplayCacheFull):
+        cache.admit("d")
+    now[0] += 2 * MAX_SKEW_S + 0.001  # every request signed with a, b, c is now stale anyway
+    assert cache.admit("d") is True and len(cache) == 1

@@ -37,6 +37,7 @@ from workers.engine.kv_cache import BlocksRemoved, BlocksStored, CacheCleared, C
 from workers.engine.runtime import EngineRuntime, RequestStream
 from workers.engine.scheduler import SimRequest
 from workers.transfer import PulledBlocks, SlotTable, TransferAgent, TransferError
+from workers.transfer.agent import transfer_counters
 
 log = logging.getLogger(__name__)
 
@@ -271,15 +272,7 @@ class PullCollector(Collector):
         inflight.add_metric([m], p.inflight)
         yield inflight
         if p.agent is not None:
-            s = p.agent.stats
-            for name, doc, value in (
-                ("kvgate_transfer_leases", "Leases granted to pulling peers.", s.leases),
-                ("kvgate_transfer_served_blocks", "Blocks offered to pulling peers.", s.served_blocks),
-                ("kvgate_transfer_expired_leases", "Leases dropped because the peer never released them.", s.expired_leases),
-                ("kvgate_transfer_corrupt_blocks", "Pulled blocks that failed verification.", s.corrupt_blocks),
-                ("kvgate_transfer_unauthenticated_requests", "Control requests refused 401: not signed with the fleet's secret.", s.unauthenticated),
-                ("kvgate_transfer_over_quota_leases", "Lease requests refused 429: the peer held its quota of leases.", s.over_quota),
-            ):
+            for name, doc, value in transfer_counters(p.agent.stats):
                 counter = CounterMetricFamily(name, doc, labels=["model_name"])
                 counter.add_metric([m], value)
                 yield counter

@@ -43,7 +43,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
-from workers.transfer.auth import AuthError, PeerAuth
+from workers.transfer.auth import SIGNATURE, AuthError, PeerAuth, ReplayCache, ReplayCacheFull
 from workers.transfer.backend import ReadOp, TransferBackend, TransferError, coalesce
 from workers.transfer.payload import BlockCorrupt, verify_slot
 from workers.transfer.slots import SlotTable
@@ -91,6 +91,7 @@ class AgentStats:
     pulled_bytes: int = 0
     corrupt_blocks: int = 0
     unauthenticated: int = 0  # control requests refused 401
+    replayed: int = 0  # of which: a signed request seen before (also in ``unauthenticated``)
     over_quota: int = 0  # lease requests refused 429 (the peer holds its quota)
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -100,6 +101,19 @@ class _Lease:
     hashes: list[int]
     expires: float
     peer: str
+
+
+def transfer_counters(s: AgentStats) -> list[tuple[str, str, int]]:
+    """(metric name, help, value) of the owner-side counters the engine exports."""
+    return [
+        ("kvgate_transfer_leases", "Leases granted to pulling peers.", s.leases),
+        ("kvgate_transfer_served_blocks", "Blocks offered to pulling peers.", s.served_blocks),
+        ("kvgate_transfer_expired_leases", "Leases dropped because the peer never released them.", s.expired_leases),
+        ("kvgate_transfer_corrupt_blocks", "Pulled blocks that failed verification.", s.corrupt_blocks),
+        ("kvgate_transfer_unauthenticated_requests", "Control requests refused 401: not signed with the fleet's secret, or replayed.", s.unauthenticated),
+        ("kvgate_transfer_replayed_requests", "Control requests refused 401 because their signature was already used.", s.replayed),
+        ("kvgate_transfer_over_quota_leases", "Lease requests refused 429: the peer held its quota of leases.", s.over_quota),
+    ]
 
 
 class LeaseQuotaExceeded(TransferError):
@@ -140,6 +154,7 @@ class TransferAgent:
         self.auth = auth
         self.peers = None if peers is None else frozenset(peers)
         self._per_peer: dict[str, int] = {}
+        self._replays = ReplayCache()
         self.stats = AgentStats()
         self.endpoint = ""
         self.inflight_pulls = 0
@@ -255,11 +270,17 @@ class TransferAgent:
         """(peer id, body) of a signed request; raises a 401 answer otherwise."""
         body = await request.read()
         try:
-            return self.auth.verify(request.method, self.endpoint, request.path, body, request.headers), body
+            peer = self.auth.verify(request.method, self.endpoint, request.path, body, request.headers)
+            if not self._replays.admit(request.headers[SIGNATURE]):
+                self.stats.replayed += 1
+                raise AuthError(f"replayed request (this signature of {peer} was already used)")
+            return peer, body
         except AuthError as e:
             self.stats.unauthenticated += 1
             log.warning("refused a transfer control request from %s: %s", request.remote, e)
             raise web.HTTPUnauthorized(text=json.dumps({"error": str(e)}), content_type="application/json") from None
+        except ReplayCacheFull as e:
+            raise web.HTTPServiceUnavailable(text=json.dumps({"error": str(e)}), content_type="application/json") from None
 
     async def _handle_lease(self, request: web.Request) -> web.Response:
         peer, raw = await self._authenticated(request)

@@ -6,11 +6,13 @@ says how many blocks it holds), read the blocks, or fill the lease table. Every 
 is signed with an HMAC-SHA256 over its method, the endpoint it is sent to, its path, a timestamp
 and its body's SHA-256, under a secret read from a file (a Kubernetes Secret in the chart):
 
-    x-kv-peer: <peer id>     x-kv-time: <unix ms>     x-kv-signature: <hex HMAC>
+    x-kv-peer: <peer id>   x-kv-time: <unix ms>   x-kv-nonce: <random hex>   x-kv-signature: <hex HMAC>
 
 The agent accepts a request only if the signature verifies, the timestamp is within
 ``MAX_SKEW_S`` of its clock, and the endpoint signed for is its own, so a request captured by
-(or sent to) one agent cannot be replayed against another. The same secret keys the checksum
+(or sent to) one agent cannot be replayed against another; and only once (``ReplayCache``: the
+signatures it accepted while they could still verify), so it cannot be replayed against the same
+agent either. The same secret keys the checksum
 in every block's trailer (``checksum_key``): a block read from a peer is used only if the peer
 knew the secret when it wrote it.
 
@@ -23,13 +25,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import secrets
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 MAX_SKEW_S = 30.0
 MIN_SECRET_BYTES = 16
-PEER, TIME, SIGNATURE = "x-kv-peer", "x-kv-time", "x-kv-signature"
+REPLAY_CACHE_ENTRIES = 1 << 16  # signatures remembered (~1,000 signed requests/s); ~230 B each, ~15 MiB at most
+PEER, TIME, NONCE, SIGNATURE = "x-kv-peer", "x-kv-time", "x-kv-nonce", "x-kv-signature"
 
 
 class AuthError(Exception):
@@ -53,26 +58,63 @@ class PeerAuth:
     def from_file(cls, path: str | Path, peer_id: str) -> PeerAuth:
         return cls(Path(path).read_bytes(), peer_id)
 
-    def _mac(self, method: str, endpoint: str, path: str, peer: str, stamp: str, body: bytes) -> str:
-        message = "\n".join((method.upper(), endpoint, path, peer, stamp, hashlib.sha256(body).hexdigest()))
+    def _mac(self, method: str, endpoint: str, path: str, peer: str, stamp: str, nonce: str, body: bytes) -> str:
+        message = "\n".join((method.upper(), endpoint, path, peer, stamp, nonce, hashlib.sha256(body).hexdigest()))
         return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
 
     def sign(self, method: str, endpoint: str, path: str, body: bytes = b"") -> dict[str, str]:
         """Headers authenticating a request of ``method`` to ``http://endpoint/path``."""
-        stamp = str(int(time.time() * 1000))
-        return {PEER: self.peer_id, TIME: stamp, SIGNATURE: self._mac(method, endpoint, path, self.peer_id, stamp, body)}
+        stamp, nonce = str(int(time.time() * 1000)), secrets.token_hex(12)
+        signature = self._mac(method, endpoint, path, self.peer_id, stamp, nonce, body)
+        return {PEER: self.peer_id, TIME: stamp, NONCE: nonce, SIGNATURE: signature}
 
     def verify(self, method: str, endpoint: str, path: str, body: bytes, headers: Mapping[str, str]) -> str:
         """The signing peer's id; ``AuthError`` unless signed with the secret, for ``endpoint``, lately."""
-        peer, stamp, signature = headers.get(PEER), headers.get(TIME), headers.get(SIGNATURE)
-        if not peer or not stamp or not signature:
-            raise AuthError("unsigned request: x-kv-peer, x-kv-time and x-kv-signature are required")
+        peer, stamp, nonce, signature = (headers.get(h) for h in (PEER, TIME, NONCE, SIGNATURE))
+        if not peer or not stamp or not nonce or not signature:
+            raise AuthError("unsigned request: x-kv-peer, x-kv-time, x-kv-nonce and x-kv-signature are required")
         try:
             age = abs(time.time() - int(stamp) / 1000)
         except ValueError:
             raise AuthError(f"x-kv-time {stamp!r} is not a timestamp") from None
         if age > MAX_SKEW_S:
             raise AuthError(f"request signed {age:.0f} s away from this agent's clock (at most {MAX_SKEW_S:g})")
-        if not hmac.compare_digest(signature, self._mac(method, endpoint, path, peer, stamp, body)):
+        if not hmac.compare_digest(signature, self._mac(method, endpoint, path, peer, stamp, nonce, body)):
             raise AuthError("bad signature (another secret, or signed for another agent)")
         return peer
+
+
+class ReplayCacheFull(Exception):
+    """Every remembered signature could still be replayed: refuse rather than forget one (503)."""
+
+
+class ReplayCache:
+    """The signatures an agent accepted, each kept until its request could no longer verify.
+
+    A signed request verifies for ``MAX_SKEW_S`` either side of its timestamp, and one accepted now
+    carries a timestamp at most ``MAX_SKEW_S`` ahead: remembering it ``2 × MAX_SKEW_S`` from its
+    arrival covers its whole window. Arrival order is expiry order, so a deque drops the stale.
+    Only verified signatures enter, so only a peer holding the secret can fill it.
+    """
+
+    def __init__(self, capacity: int = REPLAY_CACHE_ENTRIES, clock: Callable[[], float] = time.monotonic) -> None:
+        self.capacity = capacity
+        self._clock = clock
+        self._seen: set[str] = set()
+        self._order: deque[tuple[float, str]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def admit(self, signature: str) -> bool:
+        """True the first time ``signature`` is seen within its window; False for a replay."""
+        now = self._clock()
+        while self._order and self._order[0][0] <= now:
+            self._seen.discard(self._order.popleft()[1])
+        if signature in self._seen:
+            return False
+        if len(self._seen) >= self.capacity:
+            raise ReplayCacheFull(f"{self.capacity} signed requests in the last {2 * MAX_SKEW_S:g} s; try later")
+        self._seen.add(signature)
+        self._order.append((now + 2 * MAX_SKEW_S, signature))
+        return True
