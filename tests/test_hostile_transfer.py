@@ -10,14 +10,16 @@ node told to pull from an endpoint outside its fleet refuses without contacting 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import time
 
 import aiohttp
 import pytest
 
 from tests.support.transfer import SECRET, signed
-from tests.test_transfer_mooncake import in_process_owner, puller
+from tests.test_transfer_mooncake import health, in_process_owner, puller
 from workers.transfer import TransferError
 from workers.transfer.agent import transfer_counters
 from workers.transfer.auth import MAX_SKEW_S, PeerAuth, ReplayCache, ReplayCacheFull
@@ -145,3 +147,78 @@ def test_the_replay_cache_is_bounded_and_forgets_with_the_window() -> None:
         cache.admit("d")
     now[0] += 2 * MAX_SKEW_S + 0.001  # every request signed with a, b, c is now stale anyway
     assert cache.admit("d") is True and len(cache) == 1
+
+
+def _listening_ports() -> set[int]:
+    """TCP ports this process listens on (its sockets in /proc/net/tcp{,6} in state LISTEN)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _steal_through_mooncake(session: str, nbytes: int) -> bytes | None:
+    """An attacker's own Mooncake engine (no secret, no lease) reads the first ``nbytes`` of the
+    buffer the owner registered: the handshake port tells any caller the buffer's address."""
+    from mooncake.engine import TransferEngine
+
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    buf = bytearray(nbytes)
+    local = ctypes.addressof((ctypes.c_char * nbytes).from_buffer(buf))
+    assert engine.register_memory(local, nbytes) == 0
+    try:
+        remote = engine.get_first_buffer_address(session)
+        if not remote or engine.batch_transfer_sync_read(session, [local], [remote], [nbytes]) != 0:
+            return None
+        return bytes(buf)
+    finally:
+        engine.unregister_memory(local)
+
+
+async def test_no_port_of_an_agent_serves_a_block_without_the_secret() -> None:
+    """Before: the agent's Mooncake engine listened on two more ports of every interface; its
+    handshake port told any caller where the slot buffer was (``/kv/health`` named the session)
+    and its data port served reads (and writes) of it to anyone: the attacker got every block the
+    node held, byte for byte, with no lease and nothing counted. Now (the default ``kvgate-tcp``
+    transport) an agent listens on its control port only, and block bytes come only from a signed
+    ``/kv/read`` of a lease the reader itself holds: a stranger gets 401, another fleet peer 403,
+    an address outside the lease 403, and none of them a byte."""
+    before = _listening_ports()
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    first = owner.slots.view(owner.slots.slot_of(chain[0])).tobytes()
+    try:
+        assert _listening_ports() - before == {int(ep.rsplit(":", 1)[1])}
+        descriptor = (await health(ep))["backend"]
+        if "session" in descriptor:
+            assert _steal_through_mooncake(descriptor["session"], owner.slots.slot_size) != first
+        async with aiohttp.ClientSession() as s:
+            async with signed(s, "POST", ep, "/kv/lease", {"hashes": chain[:4], "start": 0}) as r:
+                lease = await r.json()
+            ranges = [[lease["addrs"][0], owner.slots.slot_size]]
+            read = {"lease": lease["lease"], "ranges": ranges}
+            async with s.post(f"http://{ep}/kv/read", json=read) as r:
+                assert r.status == 401 and first not in await r.read()
+            async with signed(s, "POST", ep, "/kv/read", read, auth=PeerAuth(SECRET, "another-peer")) as r:
+                assert r.status == 403 and first not in await r.read()
+            outside = owner.slots.address(owner.slots.slot_of(chain[8]))
+            async with signed(s, "POST", ep, "/kv/read", {"lease": lease["lease"], "ranges": [[outside, 16]]}) as r:
+                assert r.status == 403
+            async with signed(s, "POST", ep, "/kv/read", read) as r:  # the lease's holder reads its block
+                assert r.status == 200 and await r.read() == first
+        assert owner.stats.unauthenticated == 1 and owner.stats.refused_reads == 2
+    finally:
+        await owner.close()

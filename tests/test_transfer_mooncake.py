@@ -1,8 +1,9 @@
-"""The transfer agent over Mooncake's TCP transport: real processes, real sockets, real bytes.
+"""The transfer agent over both TCP transports: real processes, real sockets, real bytes.
 
-The owner is ``python -m workers.transfer serve`` (a synthetic chain of blocks); the puller is an
-agent in the test process. Where a test has to damage the owner's memory or watch its pins, both
-agents run here (two Mooncake engines, still talking over loopback TCP).
+``kvgate-tcp`` (the default: bytes through the owner agent's signed ``/kv/read``) and Mooncake's
+TCP transport run the same pulls. The owner is ``python -m workers.transfer serve`` (a synthetic
+chain of blocks); the puller is an agent in the test process. Where a test has to damage the
+owner's memory or watch its pins, both agents run here (still talking over loopback TCP).
 """
 
 from __future__ import annotations
@@ -35,19 +36,25 @@ class NothingHeld:
         raise AssertionError("nothing was held")
 
 
-def start_owner(tmp_path, name: str, *, blocks: int = BLOCKS, payload: int = PAYLOAD) -> tuple[Proc, str]:
+TCP_BACKENDS = ["kvgate-tcp", "mooncake-tcp"]
+
+
+def start_owner(
+    tmp_path, name: str, *, blocks: int = BLOCKS, payload: int = PAYLOAD, backend: str = "kvgate-tcp"
+) -> tuple[Proc, str]:
     port = free_port()
     args = ["serve", "--port", str(port), "--blocks", str(blocks), "--payload-bytes", str(payload), "--seed", str(SEED),
-            "--secret-file", secret_file(tmp_path)]  # fmt: skip
+            "--secret-file", secret_file(tmp_path), "--backend", backend]  # fmt: skip
     proc = python_module(name, "workers.transfer", args, tmp_path)
     wait_for_port(port, proc=proc.popen, timeout_s=30)
     return proc, f"127.0.0.1:{port}"
 
 
-def puller(slots: int = 128, payload: int = PAYLOAD) -> TransferAgent:
+def puller(slots: int = 128, payload: int = PAYLOAD, backend: str = "kvgate-tcp") -> TransferAgent:
+    auth = peer_auth("puller")
     return TransferAgent(
-        make_backend("mooncake-tcp", host="127.0.0.1"), SlotTable(slots, payload, checksum_key=KEY), NothingHeld(),
-        auth=peer_auth("puller"),
+        make_backend(backend, host="127.0.0.1", auth=auth), SlotTable(slots, payload, checksum_key=KEY), NothingHeld(),
+        auth=auth,
     )
 
 
@@ -56,15 +63,20 @@ async def health(endpoint: str) -> dict:
         return await r.json()
 
 
+@pytest.fixture(scope="module", params=TCP_BACKENDS)
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def owner(tmp_path_factory):
-    proc, endpoint = start_owner(tmp_path_factory.mktemp("owner"), "owner")
+def owner(tmp_path_factory, backend: str):
+    proc, endpoint = start_owner(tmp_path_factory.mktemp("owner"), "owner", backend=backend)
     yield endpoint
     proc.stop()
 
 
-async def test_pull_moves_verified_bytes_between_processes(owner: str) -> None:
-    agent = puller()
+async def test_pull_moves_verified_bytes_between_processes(owner: str, backend: str) -> None:
+    agent = puller(backend=backend)
     chain = synthetic_chain(BLOCKS, SEED)
     try:
         pulled = await agent.pull(owner, chain, 0, timeout_s=10)
@@ -85,8 +97,8 @@ async def test_pull_moves_verified_bytes_between_processes(owner: str) -> None:
         await agent.close()
 
 
-async def test_pull_starts_after_what_the_puller_has_and_stops_where_the_owner_does(owner: str) -> None:
-    agent = puller()
+async def test_pull_starts_after_what_the_puller_has_and_stops_where_the_owner_does(owner: str, backend: str) -> None:
+    agent = puller(backend=backend)
     chain = synthetic_chain(BLOCKS, SEED) + synthetic_chain(5, SEED + 1)  # the owner lacks the tail
     try:
         pulled = await agent.pull(owner, chain, 5, timeout_s=10)
@@ -98,8 +110,8 @@ async def test_pull_starts_after_what_the_puller_has_and_stops_where_the_owner_d
         await agent.close()
 
 
-async def test_an_owner_without_the_blocks_gives_an_empty_pull(owner: str) -> None:
-    agent = puller()
+async def test_an_owner_without_the_blocks_gives_an_empty_pull(owner: str, backend: str) -> None:
+    agent = puller(backend=backend)
     try:
         pulled = await agent.pull(owner, synthetic_chain(10, SEED + 99), 0, timeout_s=10)
         assert pulled.hashes == () and pulled.slots == ()
@@ -123,11 +135,12 @@ async def test_a_dead_owner_is_a_transfer_error_and_nothing_leaks(tmp_path) -> N
         await agent.close()
 
 
-async def test_owner_frozen_then_killed_mid_read(tmp_path) -> None:
+@pytest.mark.parametrize("backend", TCP_BACKENDS)
+async def test_owner_frozen_then_killed_mid_read(tmp_path, backend: str) -> None:
     """A read that outlives the pull's timeout keeps its slots until it returns (it may still write)."""
     blocks, payload = 128, 4 << 20  # 512 MiB: the read takes long enough to freeze the owner during it
-    proc, endpoint = start_owner(tmp_path, "frozen", blocks=blocks, payload=payload)
-    agent = puller(slots=blocks, payload=payload)
+    proc, endpoint = start_owner(tmp_path, "frozen", blocks=blocks, payload=payload, backend=backend)
+    agent = puller(slots=blocks, payload=payload, backend=backend)
     try:
         task = asyncio.create_task(agent.pull(endpoint, synthetic_chain(blocks, SEED), 0, timeout_s=1.5))
         deadline = time.monotonic() + 10
@@ -151,11 +164,14 @@ async def test_owner_frozen_then_killed_mid_read(tmp_path) -> None:
         await agent.close()
 
 
-async def in_process_owner(blocks: int = 16, payload: int = 1024, **kw) -> tuple[TransferAgent, StaticHolder, list[int]]:
+async def in_process_owner(
+    blocks: int = 16, payload: int = 1024, backend: str = "kvgate-tcp", **kw
+) -> tuple[TransferAgent, StaticHolder, list[int]]:
     chain = synthetic_chain(blocks, SEED)
     slots = SlotTable(blocks, payload, checksum_key=KEY)
     holder = StaticHolder(slots, chain)
-    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), slots, holder, auth=peer_auth("owner"), **kw)
+    auth = peer_auth("owner")
+    agent = TransferAgent(make_backend(backend, host="127.0.0.1", auth=auth), slots, holder, auth=auth, **kw)
     await agent.start("127.0.0.1", free_port())
     return agent, holder, chain
 

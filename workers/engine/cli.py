@@ -58,8 +58,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--transfer-host", default=None, help="address the transfer agent binds and advertises (default: --host)")
     parser.add_argument(
-        "--transfer-backend", default="mooncake-tcp", choices=BACKENDS,
-        help="transport of the real bytes (default: mooncake-tcp; verbs = pyverbs RDMA READ)",
+        "--transfer-backend", default="kvgate-tcp", choices=BACKENDS,
+        help="transport of the real bytes (default: kvgate-tcp, through the agent's signed port; "
+        "mooncake-* open unauthenticated ports; verbs = pyverbs RDMA READ)",
     )
     parser.add_argument("--transfer-device", default="", help="RDMA device for mooncake-rdma / verbs (default: the first)")
     parser.add_argument(

@@ -74,7 +74,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     transfer_port: int | None = None  # None: no transfer agent (cannot serve or pull blocks)
     transfer_host: str = "127.0.0.1"  # address the agent binds and advertises
-    transfer_backend: str = "mooncake-tcp"
+    transfer_backend: str = "kvgate-tcp"
     transfer_device: str = ""  # RDMA device for rdma backends ("" = the first)
     transfer_link: str = "tcp"  # link whose speed models a pull's time (the gateway's policy.link)
     transfer_payload_bytes: int = 4096  # real bytes kept per block (the full-size KV is modelled)
@@ -123,7 +123,9 @@ class Engine:
         if config.transfer_port is not None:
             auth = PeerAuth.from_file(config.transfer_secret_file, config.node_id)
             self.slots = SlotTable(config.capacity_blocks, config.transfer_payload_bytes, checksum_key=auth.checksum_key)
-            backend = make_backend(config.transfer_backend, host=config.transfer_host, device=config.transfer_device)
+            backend = make_backend(
+                config.transfer_backend, host=config.transfer_host, auth=auth, device=config.transfer_device
+            )
             agent = TransferAgent(
                 backend, self.slots, CacheHolder(self.cache, self.runtime), auth=auth, peers=config.transfer_peers
             )

@@ -8,6 +8,8 @@ else 401::
            → {"lease": id | null, "held": m, "addrs": [addr(h_k) .. addr(h_m-1)],
               "slot_size": bytes, "backend": {...}, "ttl_s": s}
     DELETE /kv/lease/{id}   → {"released": bool}
+    POST   /kv/read         {"lease": id, "ranges": [[addr, length], ...]}  → the bytes, in order
+                            (``kvgate-tcp``; only the lease's holder, only its slots, else 403)
     POST   /kv/connect      backend-specific connection set-up (verbs: QP exchange)
     GET    /kv/health       → {"backend": {...}, "slots": ..., "leases": ...}
 
@@ -93,6 +95,7 @@ class AgentStats:
     unauthenticated: int = 0  # control requests refused 401
     replayed: int = 0  # of which: a signed request seen before (also in ``unauthenticated``)
     over_quota: int = 0  # lease requests refused 429 (the peer holds its quota)
+    refused_reads: int = 0  # /kv/read refused 403: not the reader's lease, or outside it
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -101,6 +104,7 @@ class _Lease:
     hashes: list[int]
     expires: float
     peer: str
+    addrs: frozenset[int]  # the slot addresses the lease lets its peer read
 
 
 def transfer_counters(s: AgentStats) -> list[tuple[str, str, int]]:
@@ -113,6 +117,7 @@ def transfer_counters(s: AgentStats) -> list[tuple[str, str, int]]:
         ("kvgate_transfer_unauthenticated_requests", "Control requests refused 401: not signed with the fleet's secret, or replayed.", s.unauthenticated),
         ("kvgate_transfer_replayed_requests", "Control requests refused 401 because their signature was already used.", s.replayed),
         ("kvgate_transfer_over_quota_leases", "Lease requests refused 429: the peer held its quota of leases.", s.over_quota),
+        ("kvgate_transfer_refused_reads", "Block reads refused 403: not under a lease the reader holds.", s.refused_reads),
     ]
 
 
@@ -173,6 +178,7 @@ class TransferAgent:
         app = web.Application(client_max_size=16 << 20)
         app.router.add_post("/kv/lease", self._handle_lease)
         app.router.add_delete("/kv/lease/{lease}", self._handle_release)
+        app.router.add_post("/kv/read", self._handle_read)
         app.router.add_post("/kv/connect", self._handle_connect)
         app.router.add_get("/kv/health", self._handle_health)
         self._runner = web.AppRunner(app, access_log=None)
@@ -222,7 +228,7 @@ class TransferAgent:
         lease_id: str | None = None
         if held > start:
             lease_id = f"l{next(self._ids)}"
-            self._leases[lease_id] = _Lease(list(hashes[:held]), time.monotonic() + self.lease_ttl_s, peer)
+            self._leases[lease_id] = _Lease(list(hashes[:held]), time.monotonic() + self.lease_ttl_s, peer, frozenset(addrs))
             self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
             self.stats.leases += 1
             self.stats.served_blocks += len(addrs)
@@ -305,6 +311,35 @@ class TransferAgent:
         peer, _ = await self._authenticated(request)
         return web.json_response({"released": self.release(request.match_info["lease"], peer)})
 
+    async def _handle_read(self, request: web.Request) -> web.StreamResponse:
+        """The bytes of slots under a lease the signing peer holds (``kvgate-tcp``'s data path)."""
+        peer, raw = await self._authenticated(request)
+        try:
+            body = json.loads(raw)
+            lease_id = str(body["lease"])
+            ranges = [(int(a), int(n)) for a, n in body["ranges"]]
+        except (ValueError, KeyError, TypeError) as e:
+            return web.json_response({"error": f"bad read request: {e!r}"}, status=400)
+        lease, size = self._leases.get(lease_id), self.slots.slot_size
+        if lease is None or lease.peer != peer or lease.expires <= time.monotonic():
+            self.stats.refused_reads += 1
+            return web.json_response({"error": f"{peer} holds no open lease {lease_id}"}, status=403)
+        total = sum(n for _, n in ranges)
+        if total > len(lease.addrs) * size or not all(
+            n > 0 and n % size == 0 and all(a + k * size in lease.addrs for k in range(n // size)) for a, n in ranges
+        ):
+            self.stats.refused_reads += 1
+            return web.json_response({"error": f"a range is not made of slots under lease {lease_id}"}, status=403)
+        resp = web.StreamResponse(headers={"content-type": "application/octet-stream"})
+        resp.content_length = total
+        await resp.prepare(request)
+        base = self.slots.base_address
+        for a, n in ranges:  # copied in 1 MiB pieces: the loop serves other requests in between
+            for off in range(a - base, a - base + n, 1 << 20):
+                await resp.write(self.slots.buffer[off : min(off + (1 << 20), a - base + n)].tobytes())
+        await resp.write_eof()
+        return resp
+
     async def _handle_connect(self, request: web.Request) -> web.Response:
         _, raw = await self._authenticated(request)
         try:
@@ -379,7 +414,7 @@ class TransferAgent:
                 return PulledBlocks((), (), 0, time.perf_counter() - t0)
             if len(addrs) != held - have:
                 raise TransferError(f"{source} gave {len(addrs)} addresses for {held - have} blocks", "refused")
-            peer = answer["backend"]
+            peer = {**answer["backend"], "endpoint": source, "lease": lease_id}
             await self._connect(source, peer)
             wanted = hashes[have:held]
             slots = self.slots.reserve(len(wanted))

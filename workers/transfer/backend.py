@@ -8,8 +8,11 @@ as ``TransferError``, so the caller has one thing to catch before it falls back 
 
 Backends:
 
+* ``kvgate-tcp`` (default) — the bytes come through the owner agent's own signed, lease-bound
+  ``/kv/read``; no port but the agent's; ``workers.transfer.tcp_backend``.
 * ``mooncake-tcp`` / ``mooncake-rdma`` — Mooncake Transfer Engine with P2P handshake (no
-  metadata server); ``workers.transfer.mooncake_backend``.
+  metadata server); ``workers.transfer.mooncake_backend``. Its own ports (every interface) serve
+  the registered slots to anyone who reaches them: only where the network admits no one else.
 * ``verbs`` — direct RC queue pairs and RDMA READ through pyverbs; ``workers.transfer.verbs_backend``.
 
 ``read`` blocks (the transports are synchronous C++): callers run it in a worker thread.
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-BACKENDS = ("mooncake-tcp", "mooncake-rdma", "verbs")
+if TYPE_CHECKING:
+    from workers.transfer.auth import PeerAuth
+
+BACKENDS = ("kvgate-tcp", "mooncake-tcp", "mooncake-rdma", "verbs")
 
 
 class TransferError(Exception):
@@ -91,8 +97,12 @@ def coalesce(ops: Iterable[ReadOp]) -> list[ReadOp]:
     return out
 
 
-def make_backend(name: str, *, host: str, device: str = "") -> TransferBackend:
+def make_backend(name: str, *, host: str, auth: PeerAuth, device: str = "") -> TransferBackend:
     """Build a backend by name; raise ``TransferError`` if its library or device is missing."""
+    if name == "kvgate-tcp":
+        from workers.transfer.tcp_backend import AgentTcpBackend
+
+        return AgentTcpBackend(auth)
     if name in ("mooncake-tcp", "mooncake-rdma"):
         from workers.transfer.mooncake_backend import MooncakeBackend
 

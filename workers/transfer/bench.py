@@ -1,7 +1,7 @@
 """``python -m workers.transfer.bench``: what a pull costs, measured and modelled.
 
-1. Measured: real throughput of the Mooncake TCP backend between two processes on this host
-   (loopback) for 1, 16 and 64 MiB. "read" is the backend's one-sided batch read alone; "pull" is
+1. Measured: real throughput of each TCP backend (``kvgate-tcp``, ``mooncake-tcp``) between two
+   processes on this host (loopback) for 1, 16 and 64 MiB, the backends run one after the other. "read" is the backend's one-sided batch read alone; "pull" is
    the whole agent path a request waits for: lease over HTTP, read, checksum of every block,
    lease release. Median of ``--repeat`` runs after one warm-up.
 2. Modelled: the time the simulated engine charges for pulling 1k tokens of full-size KV over
@@ -65,7 +65,7 @@ async def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout_s: float 
     raise TimeoutError("owner did not start")
 
 
-async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, float]]:
+async def measure(sizes_mib: list[int], repeat: int, backend: str) -> list[tuple[int, float, float]]:
     """(MiB, read MB/s, pull MB/s) per size, median of ``repeat`` runs."""
     blocks = max(sizes_mib) * (1 << 20) // SLOT
     payload = SLOT - 16
@@ -75,12 +75,12 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
     secret.flush()
     owner = subprocess.Popen(
         [sys.executable, "-m", "workers.transfer", "serve", "--port", str(port), "--blocks", str(blocks),
-         "--payload-bytes", str(payload), "--secret-file", secret.name],
+         "--payload-bytes", str(payload), "--secret-file", secret.name, "--backend", backend],
         cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     auth = PeerAuth.from_file(secret.name, "bench")
     slots = SlotTable(blocks, payload, checksum_key=auth.checksum_key)
-    agent = TransferAgent(make_backend("mooncake-tcp", host="127.0.0.1"), slots, _Nothing(), auth=auth)
+    agent = TransferAgent(make_backend(backend, host="127.0.0.1", auth=auth), slots, _Nothing(), auth=auth)
     endpoint = f"127.0.0.1:{port}"
     chain = synthetic_chain(blocks)
     out: list[tuple[int, float, float]] = []
@@ -99,7 +99,8 @@ async def measure(sizes_mib: list[int], repeat: int) -> list[tuple[int, float, f
                 reads, pulls = [], []
                 for i in range(repeat + 1):
                     t = time.perf_counter()
-                    await asyncio.to_thread(agent.backend.read, lease["backend"], ops)
+                    peer = {**lease["backend"], "endpoint": endpoint, "lease": lease["lease"]}
+                    await asyncio.to_thread(agent.backend.read, peer, ops)
                     if i:
                         reads.append(time.perf_counter() - t)
                 agent.slots.release(slots)
@@ -143,15 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workers.transfer.bench", description=__doc__)
     parser.add_argument("--sizes", default="1,16,64", help="transfer sizes in MiB (default: 1,16,64)")
     parser.add_argument("--repeat", type=int, default=5, help="measured runs per size (default: 5)")
+    parser.add_argument("--backends", default="kvgate-tcp,mooncake-tcp", help="TCP backends to measure, in turn")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     if not sizes or min(sizes) <= 0 or args.repeat < 1:
         parser.error("sizes must be positive MiB and --repeat >= 1")
 
-    print("Mooncake TCP backend, loopback, two processes (median of", args.repeat, "runs):")
-    print(f"{'size':>8} {'read MB/s':>10} {'pull MB/s':>10}   (pull = lease + read + checksum of every block)")
-    for mib, read, pull in asyncio.run(measure(sizes, args.repeat)):
-        print(f"{mib:>5} MiB {read:>10.0f} {pull:>10.0f}")
+    for backend in args.backends.split(","):
+        print(f"{backend} backend, loopback, two processes (median of {args.repeat} runs):")
+        print(f"{'size':>8} {'read MB/s':>10} {'pull MB/s':>10}   (pull = lease + read + checksum of every block)")
+        for mib, read, pull in asyncio.run(measure(sizes, args.repeat, backend)):
+            print(f"{mib:>5} MiB {read:>10.0f} {pull:>10.0f}")
     print()
     print("Modelled, per 1k tokens of full-size KV (what the engine sleeps and the gateway prices):")
     print(f"{'profile':<26} {'KV MB':>7} {'pull rdma ms':>13} {'pull tcp ms':>12} {'recompute ms':>13}  cheaper (rdma / tcp)")

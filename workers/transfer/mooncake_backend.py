@@ -6,15 +6,23 @@ Mooncake runs its own RPC listener and TCP (or RDMA) transport in C++ threads. W
 first read. ``batch_transfer_sync_read`` releases the GIL and returns 0 or a negative code
 (peer refused, connection lost, address outside a registered segment): any non-zero code is a
 ``TransferError``.
+
+Mooncake's handshake and data ports listen on every interface and know nothing of the fleet's
+secret: the handshake tells any caller where the registered slots are, the data port serves reads
+and writes of them to whoever connects. Use it only where the network lets no one but the fleet
+reach the nodes (the default ``kvgate-tcp`` needs no such fence); it logs a warning at start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
 
 from workers.transfer.backend import ReadOp, TransferError
+
+log = logging.getLogger(__name__)
 
 
 class MooncakeBackend:
@@ -35,6 +43,10 @@ class MooncakeBackend:
         if rc != 0:
             raise TransferError(f"Mooncake initialize({host!r}, {protocol!r}, {device!r}) failed with {rc}")
         self.session = f"{host}:{self._engine.get_rpc_port()}"
+        log.warning(
+            "%s: Mooncake's handshake (%s) and data ports serve this node's KV blocks to anyone who reaches them, "
+            "without the transfer secret; fence them off or use --transfer-backend kvgate-tcp", self.name, self.session,
+        )
         self._registered: list[int] = []
 
     def register(self, address: int, length: int) -> None:
