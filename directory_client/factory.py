@@ -23,6 +23,8 @@ def open_directory(
     tls_cert_file: str = "",
     tls_key_file: str = "",
     shard_timeout_s: float | None = None,
+    username: str = "",
+    password: str = "",
     **kw: Any,
 ) -> Directory:
     """A directory for ``url``; nothing connects until the first call.
@@ -35,6 +37,8 @@ def open_directory(
     (memory only). ``tls_*``: PEM files for ``rediss://`` (the CA to verify the server; a client
     certificate and key when the server requires one). ``shard_timeout_s`` (cluster only; other
     backends ignore it): how long a lookup waits for one shard before leaving its nodes out.
+    ``username``/``password``: Redis ACL credentials kept out of the URL (a per-role user; a
+    password alone authenticates the default user); a URL carrying credentials is then refused.
     """
     stride = DEFAULT_INDEX_STRIDE if index_stride is None else index_stride
     scheme = urlsplit(url).scheme
@@ -43,9 +47,10 @@ def open_directory(
     common: dict[str, Any] = dict(
         key_prefix=key_prefix, heartbeat_ttl_s=heartbeat_ttl_s, index_stride=stride, op_timeout_s=op_timeout_s
     )
-    tls = tls_options(url, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
-    if tls:
-        common["connection_options"] = tls
+    options = tls_options(url, ca_file=tls_ca_file, cert_file=tls_cert_file, key_file=tls_key_file)
+    options.update(credentials(url, username, password))
+    if options:
+        common["connection_options"] = options
     if scheme in ("redis", "rediss", "unix"):
         return RedisDirectory.from_url(url, **common, **kw)
     if scheme in ("redis+cluster", "rediss+cluster"):
@@ -59,6 +64,16 @@ def tls_options(url: str, *, ca_file: str = "", cert_file: str = "", key_file: s
     if opts and not urlsplit(url).scheme.startswith("rediss"):
         raise ValueError(f"TLS files given for {redact_url(url)!r}: use rediss:// (or rediss+cluster://) to connect with TLS")
     return opts
+
+
+def credentials(url: str, username: str, password: str) -> dict[str, str]:
+    """redis-py's ``username``/``password`` keywords; only for a URL without credentials of its own."""
+    if not username and not password:
+        return {}
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        raise ValueError(f"{redact_url(url)!r} carries credentials and a username/password is set too: give them once")
+    return {k: v for k, v in (("username", username), ("password", password)) if v}
 
 
 def redact_url(url: str) -> str:

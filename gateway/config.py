@@ -158,6 +158,8 @@ class DirectoryConfig(_Section):
     tls_ca_file: str = Field("", description="rediss://: PEM CA bundle that signed the Redis server's certificate")
     tls_cert_file: str = Field("", description="rediss://: client certificate (PEM), if Redis requires one")
     tls_key_file: str = Field("", description="rediss://: the client certificate's key (PEM)")
+    username: str = Field("", description="Redis ACL user (KVGATE_DIRECTORY__USERNAME), e.g. the gateway role's")
+    password: SecretStr = Field(SecretStr(""), description="its password: set KVGATE_DIRECTORY__PASSWORD, not the file")
 
     @field_validator("url")
     @classmethod

@@ -170,6 +170,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         tls_ca_file=cfg.directory.tls_ca_file,
         tls_cert_file=cfg.directory.tls_cert_file,
         tls_key_file=cfg.directory.tls_key_file,
+        username=cfg.directory.username,
+        password=cfg.directory.password.get_secret_value(),
         shard_timeout_s=cfg.directory.lookup_timeout_ms / 1000 * 0.8,  # a slow shard leaves time for the others
     )
     policy = make_policy(

@@ -41,6 +41,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
             f"--tls-{part}-file", default=os.environ.get(env, ""), help=f"rediss://: PEM {what} (default: ${env})"
         )
+    parser.add_argument(
+        "--username", default=os.environ.get("KVGATE_DIRECTORY__USERNAME", ""),
+        help="Redis ACL user, e.g. the bridge role's (default: $KVGATE_DIRECTORY__USERNAME; its password only "
+        "from $KVGATE_DIRECTORY__PASSWORD)",
+    )
     parser.add_argument("--key-prefix", default="kvgate", help="key prefix of the directory in Redis")
     parser.add_argument("--index-stride", type=int, default=None, help="directory index stride (must match the gateway's)")
     parser.add_argument("--model", required=True, help="served model name: seeds the block keys (must match the gateway's)")
@@ -98,6 +103,7 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
         directory = open_directory(
             args.directory, key_prefix=args.key_prefix, heartbeat_ttl_s=ttl, index_stride=args.index_stride,
             tls_ca_file=args.tls_ca_file, tls_cert_file=args.tls_cert_file, tls_key_file=args.tls_key_file,
+            username=args.username, password=os.environ.get("KVGATE_DIRECTORY__PASSWORD", ""),
         )
     except ValueError as exc:
         log.error("%s", exc)
