@@ -6,7 +6,9 @@ values or ConfigMaps; the gateway's ConfigMap is a config ``kvgate serve`` accep
 
 from __future__ import annotations
 
+import base64
 import copy
+import os
 import re
 import subprocess
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ CHART = Path(__file__).resolve().parent.parent / "helm" / "kvgate"
 RELEASE, NAMESPACE = "kv", "llm"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
+CALLER_TOKEN_PLACEHOLDER = "__KVGATE_CALLER_TOKEN__"  # the Envoy pod's init container writes the token here
 NO_SCHEMA = {"ServiceMonitor"}  # a CRD (prometheus-operator): checked by hand below
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
@@ -259,6 +262,8 @@ def _settings_for(values: dict[str, Any], fleet: list[str]) -> EnvoySettings:
         fleet_size=e.get("circuitBreakers", {}).get("engines", 0) or len(values.get("fleet", {}).get("static", [])) or 32,
         kvgate_tls_ca_file="/var/run/kvgate-tls/ca.crt" if tls else "",
         kvgate_tls_server_name=host if tls else "",
+        caller_token=CALLER_TOKEN_PLACEHOLDER if g.get("callerToken", {}).get("enabled", True) else "",
+        observe_responses=g.get("observeResponses", False),
     )
 
 
@@ -278,6 +283,8 @@ PARITY = [
     ),
     ({**VALUE_SETS["defaults"], "gateway": {"tls": {"enabled": True, "secretName": "kvgate-tls"}}}, ["vllm.llm.svc.cluster.local:8000"]),
     ({**VALUE_SETS["ext-authz"], "gateway": {"integration": "ext_authz", "tls": {"enabled": True, "secretName": "t", "port": 9444}}},
+     ["vllm.llm.svc.cluster.local:8000"]),
+    ({**VALUE_SETS["defaults"], "gateway": {"callerToken": {"enabled": False}, "observeResponses": True}},
      ["vllm.llm.svc.cluster.local:8000"]),
 ]  # fmt: skip
 
@@ -372,13 +379,20 @@ async def test_probes_hit_the_admin_api_routes(chart: Any) -> None:
 # --- secrets, hardening, network policy -----------------------------------------------------------
 
 
-def test_no_secret_in_values_configmaps_or_pod_specs(chart: Any) -> None:
+SECURED = {"redis": {"acl": {"enabled": True}}, "transfer": {"secret": {"enabled": True}}}
+
+
+@pytest.mark.parametrize("secured", [False, True])
+def test_no_secret_in_values_configmaps_or_pod_specs(chart: Any, secured: bool) -> None:
     for name in ("defaults", "external-redis", "static-with-bridges"):
-        docs = render(chart, VALUE_SETS[name])
+        values = VALUE_SETS[name]
+        if secured:
+            values = {**values, "redis": {**values.get("redis", {}), **SECURED["redis"]}, "transfer": SECURED["transfer"]}
+        docs = render(chart, values)
         secret_docs = [d for d in docs if d["kind"] == "Secret"]
         for _, c in containers(docs):
             for item in c.get("env", []):
-                if item["name"] == "REDIS_PASSWORD":
+                if item["name"] in ("REDIS_PASSWORD", "KVGATE_DIRECTORY__PASSWORD") or item["name"].startswith("PASSWORD_"):
                     assert "secretKeyRef" in item["valueFrom"]
                 if item["name"] == "KVGATE_DIRECTORY__URL" and "@" in item["value"]:
                     assert ":$(REDIS_PASSWORD)@" in item["value"]
@@ -386,13 +400,19 @@ def test_no_secret_in_values_configmaps_or_pod_specs(chart: Any) -> None:
             text = yaml.safe_dump(cm)
             assert not re.search(r"://[^/\s]*:[^$/\s][^/\s]*@", text), cm["metadata"]["name"]
             for s in secret_docs:
-                assert s["data"]["password"] not in text
-        if name == "external-redis":
-            assert secret_docs == []  # the user's Secret is referenced, never created from values
-        else:
-            (secret,) = secret_docs
-            assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
-            assert len(secret["data"]["password"]) >= 40  # base64 of a 32-character generated password
+                for value in s["data"].values():
+                    assert value not in text and base64.b64decode(value).decode() not in text
+        for s in secret_docs:
+            assert s["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            assert all(len(v) >= 40 for v in s["data"].values())  # base64 of 32+ generated characters
+        generated = {s["metadata"]["name"]: sorted(s["data"]) for s in secret_docs}
+        expected = {f"{RELEASE}-kvgate-caller-token": ["token"]}
+        if name != "external-redis":  # the user's Redis Secret is referenced, never created from values
+            roles = ["bridge-password", "gateway-events-password", "gateway-password"] if secured else []
+            expected[f"{RELEASE}-kvgate-redis"] = sorted(["password", *roles])
+        if secured:
+            expected[f"{RELEASE}-kvgate-transfer"] = ["secret"]
+        assert generated == expected
 
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
@@ -555,3 +575,128 @@ def test_schema_knows_every_policy_kvgate_has(chart: Any) -> None:
     assert schema is not None
     names = schema["properties"]["gateway"]["properties"]["policy"]["properties"]["name"]["enum"]
     assert sorted(names) == sorted(POLICY_NAMES)
+
+
+# --- secrets the chart wires: caller token, transfer secret, per-role Redis users ----------------
+
+
+def _volume(spec: dict, name: str) -> dict:
+    (volume,) = [v for v in spec["volumes"] if v["name"] == name]
+    return volume
+
+
+@pytest.mark.parametrize("name", ["defaults", "ext-authz"])
+def test_envoy_and_kvgate_share_the_caller_token_secret(chart: Any, name: str) -> None:
+    """Before: the chart rendered no token, so kvgate answered any pod that reached its port
+    (where a tenant's prompt is cached). Now Envoy's init container and kvgate mount the same
+    Secret; kvgate's config names the mounted file; a named Secret replaces the generated one."""
+    docs = render(chart, VALUE_SETS[name])
+    gateway = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]
+    envoy = one(docs, "Deployment", "-envoy")["spec"]["template"]["spec"]
+    secret = f"{RELEASE}-kvgate-caller-token"
+    assert _volume(gateway, "caller-token")["secret"]["secretName"] == secret
+    assert _volume(envoy, "caller-token")["secret"]["secretName"] == secret
+    mount = next(m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == "caller-token")
+    assert yaml.safe_load(gateway_config_text(docs))["caller_token_file"] == mount["mountPath"] + "/token"
+    assert envoy["containers"][0]["args"][1] == "/var/run/envoy/envoy.yaml"  # what the init container wrote
+    assert any(d["kind"] == "Secret" and d["metadata"]["name"] == secret for d in docs)
+    named = render(chart, {**VALUE_SETS[name], "gateway": {**VALUE_SETS[name].get("gateway", {}),
+                                                          "callerToken": {"existingSecret": "mine"}}})  # fmt: skip
+    assert _volume(one(named, "Deployment", "-envoy")["spec"]["template"]["spec"], "caller-token")["secret"]["secretName"] == "mine"
+    assert not any(d["kind"] == "Secret" and "caller-token" in d["metadata"]["name"] for d in named)
+    off = render(chart, {**VALUE_SETS[name], "gateway": {**VALUE_SETS[name].get("gateway", {}), "callerToken": {"enabled": False}}})
+    assert "caller_token_file" not in yaml.safe_load(gateway_config_text(off))
+    assert "initContainers" not in one(off, "Deployment", "-envoy")["spec"]["template"]["spec"]
+
+
+def test_observe_responses_makes_envoy_send_kvgate_the_answers_status(chart: Any) -> None:
+    docs = render(chart, {**VALUE_SETS["defaults"], "gateway": {"observeResponses": True}})
+    listener = envoy_bootstrap(docs)["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert ext_proc["typed_config"]["processing_mode"]["response_header_mode"] == "SEND"
+    values = {**VALUE_SETS["defaults"], "gateway": {"observeResponses": True}}
+    assert envoy_bootstrap(docs) == render_bootstrap(_settings_for(values, ["vllm.llm.svc.cluster.local:8000"]))
+
+
+def test_engines_get_the_transfer_secret_as_the_worker_reads_it(chart: Any, tmp_path: Path) -> None:
+    """The snippet engine pods add: the Secret's volume, its mount, and the argument naming the
+    mounted file, which the engine's own parser accepts (and without which --transfer-port is refused)."""
+    import argparse
+
+    from workers.engine.cli import configure
+
+    docs = render(chart, {**VALUE_SETS["defaults"], "transfer": {"secret": {"enabled": True}}})
+    snippet = one(docs, "ConfigMap", "-engines-transfer")["data"]
+    (volume,) = yaml.safe_load(snippet["volumes.yaml"])
+    (mount,) = yaml.safe_load(snippet["volume-mounts.yaml"])
+    args = yaml.safe_load(snippet["args.yaml"])
+    assert volume["secret"]["secretName"] == f"{RELEASE}-kvgate-transfer" and mount["name"] == volume["name"]
+    assert args[1] == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    parsed = parser.parse_args(["--port", "8000", "--model", MODEL, "--transfer-port", "7000", *args])
+    assert parsed.transfer_secret_file == args[1]
+    assert not [d for d in render(chart, VALUE_SETS["defaults"]) if d["metadata"]["name"].endswith("-engines-transfer")]
+
+
+def _run_chart_redis(docs: list[dict], tmp_path: Path, secrets: dict) -> tuple[subprocess.Popen, int]:
+    """The bundled Redis container's command, run here: ConfigMap and port patched, Secrets resolved."""
+    from tests.conftest import free_port
+    from tests.support.procs import wait_for_port
+
+    (c,) = one(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
+    acl = tmp_path / "acl.conf"
+    acl.write_text(one(docs, "ConfigMap", "-redis-acl")["data"]["acl.conf"])
+    port = free_port()
+    command = [a.replace("/etc/kvgate-redis/acl.conf", str(acl)) for a in c["command"]]
+    args = [str(tmp_path) if a == "/data" else a for a in c["args"]] + ["--port", str(port), "--bind", "127.0.0.1"]
+    env = {**_resolve_env(c, secrets), "PATH": os.environ["PATH"]}
+    proc = subprocess.Popen([*command, *args], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_port(port, proc=proc)
+    return proc, port
+
+
+async def test_bundled_redis_gives_each_role_its_own_user(chart: Any, tmp_path: Path) -> None:
+    """redis.acl: the chart's Redis loads files/redis-acl.conf with generated passwords, the bridges
+    connect as kvgate-bridge, a gateway that follows no events as kvgate-gateway: the gateway cannot
+    write block entries, the bridge cannot reserve (both get DirectoryUnavailable, NOPERM beneath)."""
+    from directory_client import open_directory
+    from directory_client.types import DirectoryUnavailable, NodeInfo
+
+    values = {**VALUE_SETS["static-with-bridges"], "redis": {"acl": {"enabled": True}}}
+    docs = render(chart, values)
+    secrets = {(f"{RELEASE}-kvgate-redis", k): f"{k}-s3cret-value" for k in
+               ("password", "gateway-password", "gateway-events-password", "bridge-password")}  # fmt: skip
+    proc, port = _run_chart_redis(docs, tmp_path, secrets)
+    directories = []
+
+    def connect(container: dict):
+        env = _resolve_env(container, secrets)
+        url = env["KVGATE_DIRECTORY__URL"].replace(f"{RELEASE}-kvgate-redis.{NAMESPACE}.svc.cluster.local:6379", f"127.0.0.1:{port}")
+        d = open_directory(url, username=env["KVGATE_DIRECTORY__USERNAME"], password=env["KVGATE_DIRECTORY__PASSWORD"],
+                           key_prefix="kvgate", op_timeout_s=2)  # fmt: skip
+        directories.append(d)
+        return env["KVGATE_DIRECTORY__USERNAME"], d
+
+    try:
+        gw_container = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
+        bridge_container = one(docs, "Deployment", "-bridge")["spec"]["template"]["spec"]["containers"][0]
+        gw_user, gateway = connect(gw_container)
+        bridge_user, bridge = connect(bridge_container)
+        assert (gw_user, bridge_user) == ("kvgate-gateway", "kvgate-bridge")
+        await bridge.register_node(NodeInfo("n1", "10.0.0.11:8000"))
+        await bridge.record_stored("n1", [11, 12, 13, 14])
+        reservation = await gateway.reserve("n1", 10)
+        await gateway.release(reservation)
+        with pytest.raises(DirectoryUnavailable):
+            await connect(gw_container)[1].record_stored("n1", [21, 22, 23, 24])
+        with pytest.raises(DirectoryUnavailable):
+            await connect(bridge_container)[1].reserve("n1", 10)
+        with pytest.raises(DirectoryUnavailable):  # the default user's password is not a role's
+            await open_directory(f"redis://127.0.0.1:{port}/0", username="kvgate-gateway", password="password-s3cret-value").lookup([1])
+    finally:
+        for d in directories:
+            await d.aclose()
+        proc.kill()
+        proc.wait(timeout=10)

@@ -35,13 +35,18 @@ MODEL = "acme/chat-8b"  # a model whose tokenizer is given as files (here: DeepS
 NODES = {"a": "10.0.0.11", "b": "10.0.0.12"}
 TOKENIZER_MOUNT = "/var/lib/kvgate/tokenizer"
 PASSWORD = "p4ss-" + uuid.uuid4().hex[:8]
+ROLE_PASSWORDS = {role: f"{role}-" + uuid.uuid4().hex[:8] for role in ("gateway", "gateway-events", "bridge")}
+CALLER_TOKEN = "caller-" + uuid.uuid4().hex  # the chart's caller-token Secret, as the kubelet mounts it
+SECRETS = {("kv-kvgate-redis", "password"): PASSWORD, ("kv-kvgate-caller-token", "token"): CALLER_TOKEN} | {
+    ("kv-kvgate-redis", f"{role}-password"): pw for role, pw in ROLE_PASSWORDS.items()
+}
 
 
 def values(key_prefix: str, **limits: int) -> dict[str, Any]:
     return {
         "models": [MODEL],
         "tokenizer": {"huggingFace": {"model": MODEL, "tokenSecret": {"name": "hf-token"}}},
-        "redis": {"keyPrefix": key_prefix},
+        "redis": {"keyPrefix": key_prefix, "acl": {"enabled": True}},  # the gateway connects as its role's user
         "fleet": {
             "discovery": {"enabled": False},
             "static": [
@@ -94,6 +99,8 @@ class RenderedStack:
         self.docs = render(chart, values(self.prefix))
         self.tokenizer_dir = tmp / "tokenizer-volume"
         self.tokenizer_dir.mkdir()
+        self.caller_token = tmp / "caller-token"
+        self.caller_token.write_text(CALLER_TOKEN)
 
     # -- the pods, as the kubelet would start them --------------------------------------------------
 
@@ -114,8 +121,11 @@ class RenderedStack:
         args = [str(self.tmp) if a == "/data" else a for a in c["args"]]
         self.redis_port = self.ports(f"{statefulset['metadata']['name']}", 6379)
         args += ["--port", str(self.redis_port), "--bind", "127.0.0.1"]
-        env = {"REDIS_PASSWORD": PASSWORD, "PATH": os.environ["PATH"]}
-        self.redis = self._started(Proc("redis", [*c["command"], *args], self.tmp, env))
+        acl = self.tmp / "redis-acl.conf"  # the ConfigMap the pod mounts at /etc/kvgate-redis
+        acl.write_text(one(self.docs, "ConfigMap", "-redis-acl")["data"]["acl.conf"])
+        command = [a.replace("/etc/kvgate-redis/acl.conf", str(acl)) for a in c["command"]]
+        env = {**_resolve_env(c, SECRETS), "PATH": os.environ["PATH"]}
+        self.redis = self._started(Proc("redis", [*command, *args], self.tmp, env))
         wait_for_port(self.redis_port, proc=self.redis.popen)
 
     def start_engines(self) -> None:
@@ -141,7 +151,8 @@ class RenderedStack:
                 node[key] = _hostport(node[key], self.ports)
         cfg["tokenizer"]["source"] = cfg["tokenizer"]["source"].replace(TOKENIZER_MOUNT, str(self.tokenizer_dir))
         container = one(docs, "Deployment", "-gateway")["spec"]["template"]["spec"]["containers"][0]
-        env = _resolve_env(container, {(f"kv-kvgate-redis", "password"): PASSWORD})
+        env = _resolve_env(container, SECRETS)
+        cfg["caller_token_file"] = cfg["caller_token_file"].replace("/var/run/kvgate-caller/token", str(self.caller_token))
         redis_host = f"kv-kvgate-redis.llm.svc.cluster.local:6379"
         assert redis_host in env["KVGATE_DIRECTORY__URL"]
         env["KVGATE_DIRECTORY__URL"] = env["KVGATE_DIRECTORY__URL"].replace(redis_host, f"127.0.0.1:{self.redis_port}")
@@ -156,14 +167,26 @@ class RenderedStack:
         self.gateway = self._started(Proc("gateway", [sys.executable, "-m", "gateway.cli", "serve", "--config", str(path)], self.tmp, env))
         wait_for_port(self.admin_port, proc=self.gateway.popen, timeout_s=60)
 
+    def run_envoy_init(self, template: Path, out: Path, token: Path | None = None) -> subprocess.CompletedProcess:
+        """The Envoy pod's init container: writes the caller token into the bootstrap."""
+        (init,) = one(self.docs, "Deployment", "-envoy")["spec"]["template"]["spec"]["initContainers"]
+        paths = {"/etc/envoy/envoy.yaml": template, "/var/run/kvgate-caller/token": token or self.caller_token,
+                 "/var/run/envoy/envoy.yaml": out}  # fmt: skip
+        script = init["args"][0]
+        for mounted, local in paths.items():
+            script = script.replace(mounted, str(local))
+        return subprocess.run([*init["command"], script], capture_output=True, text=True, timeout=30)
+
     def start_envoy(self) -> None:
         boot = patch_bootstrap(envoy_bootstrap(self.docs), self.ports)
         self.listen_port = boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
         self.envoy_admin = boot["admin"]["address"]["socket_address"]["port_value"]
-        path = self.tmp / "envoy.yaml"
-        path.write_text(yaml.safe_dump(boot))
+        template, path = self.tmp / "envoy-template.yaml", self.tmp / "envoy.yaml"
+        template.write_text(yaml.safe_dump(boot))
+        self.envoy_init = self.run_envoy_init(template, path)
+        assert self.envoy_init.returncode == 0, self.envoy_init.stderr
         container = one(self.docs, "Deployment", "-envoy")["spec"]["template"]["spec"]["containers"][0]
-        args = ["-c" if a == "--config-path" else (str(path) if a == "/etc/envoy/envoy.yaml" else a) for a in container["args"]]
+        args = ["-c" if a == "--config-path" else (str(path) if a == "/var/run/envoy/envoy.yaml" else a) for a in container["args"]]
         self.envoy = self._started(Proc("envoy", [self.envoy_bin, *args, "-l", "warning"], self.tmp))
         wait_for_port(self.listen_port, proc=self.envoy.popen, timeout_s=30)
 
@@ -227,7 +250,11 @@ def test_redis_runs_with_its_password_on_no_command_line(stack: RenderedStack) -
 
     with pytest.raises(redis.AuthenticationError):
         redis.Redis(port=stack.redis_port, password="wrong").ping()
+    assert not any(pw in cmdline for pw in ROLE_PASSWORDS.values())
     r = redis.Redis(port=stack.redis_port, password=PASSWORD)
+    # the gateway follows the static nodes' events itself: it is the gateway-events user (the
+    # default user's connections are this test's own, the refused one included)
+    assert {c["user"] for c in r.client_list()} - {"default"} == {"kvgate-gateway-events"}
     assert r.config_get("maxmemory")["maxmemory"] == str(768 << 20)
     assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
     gateway_cmd = Path(f"/proc/{stack.gateway.popen.pid}/cmdline").read_bytes().decode()
@@ -250,6 +277,23 @@ def test_follow_up_turns_land_where_their_prefix_is_cached(stack: RenderedStack)
         status, headers, _ = stack.chat(history)
         assert status == 200 and headers["x-kvgate-node"] == first, topic
     assert stack.metric("kvgate_decisions_total", 'outcome="owner"') >= owners_before + 3
+
+
+def test_envoy_proves_itself_to_kvgate_with_the_secrets_token(stack: RenderedStack) -> None:
+    """The token is in the Secret and, once the init container ran, in Envoy's bootstrap: never in
+    a ConfigMap. kvgate answers Envoy's calls (routed, nothing refused as unauthenticated); a
+    token Envoy could not carry stops the Envoy pod at its init container, saying why."""
+    configmap = one(stack.docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"]
+    assert CALLER_TOKEN not in configmap and "__KVGATE_CALLER_TOKEN__" in configmap
+    assert CALLER_TOKEN in (stack.tmp / "envoy.yaml").read_text()
+    status, headers, _ = stack.chat([{"role": "user", "content": "Who are you?"}])
+    assert status == 200 and headers["x-kvgate-node"] in NODES
+    _, _, raw = request(f"http://127.0.0.1:{stack.admin_port}/metrics")
+    assert "kvgate_ext_proc_unauthenticated_total 0.0" in raw.decode()
+    bad = stack.tmp / "bad-token"
+    bad.write_text('a"token-that-breaks-yaml')
+    failed = stack.run_envoy_init(stack.tmp / "envoy-template.yaml", stack.tmp / "unused.yaml", bad)
+    assert failed.returncode == 1 and "gateway.callerToken" in failed.stderr
 
 
 def test_a_config_change_rolls_the_gateway_and_takes_effect(stack: RenderedStack) -> None:
@@ -386,7 +430,9 @@ def test_tls_to_the_decision_port_routes_and_plaintext_is_refused(stack: Rendere
 
     boot = patch_bootstrap(yaml.safe_load(local_files(one(docs, "ConfigMap", "-envoy")["data"]["envoy.yaml"])), ports)
     listen = boot["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"]
-    (stack.tmp / "envoy-tls.yaml").write_text(yaml.safe_dump(boot))
+    (stack.tmp / "envoy-tls-template.yaml").write_text(yaml.safe_dump(boot))
+    init = stack.run_envoy_init(stack.tmp / "envoy-tls-template.yaml", stack.tmp / "envoy-tls.yaml")  # the caller token
+    assert init.returncode == 0, init.stderr
     envoy = stack._started(Proc("envoy-tls", [stack.envoy_bin, "-c", str(stack.tmp / "envoy-tls.yaml"),
                                               "--disable-hot-restart", "-l", "warning"], stack.tmp))  # fmt: skip
     wait_for_port(listen, proc=envoy.popen)

@@ -25,7 +25,11 @@ from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
 
 ACL_FILE = Path(__file__).resolve().parents[1] / "helm/kvgate/files/redis-acl.conf"
-PASSWORDS = {"kvgate-bridge": "bridge-password-1234", "kvgate-gateway": "gateway-password-1234"}
+PASSWORDS = {
+    "kvgate-bridge": "bridge-password-1234",
+    "kvgate-gateway": "gateway-password-1234",
+    "kvgate-gateway-events": "events-password-1234",
+}
 KEYS = list(range(1, 33))
 NODE = NodeInfo("e1", "10.0.0.1:8000", model="m")
 
@@ -159,6 +163,26 @@ async def test_a_gateway_routes_and_reserves_and_cannot_write_block_entries(as_r
     assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
 
     await gateway.deregister_node("s1")
+
+
+async def test_a_gateway_following_events_does_both_jobs_and_nothing_outside_the_prefix(
+    as_role, acl_redis: RedisProcess
+) -> None:
+    both = as_role("kvgate-gateway-events")
+    await both.register_node(NODE)
+    assert await both.claim_writer("e1", "gw-1", 10.0) is True
+    await both.record_stored("e1", KEYS[:8])
+    reservation = await both.reserve("e1", 10)
+    assert (await both.lookup(KEYS)).nodes[0].cached_blocks == 8
+    await both.release(reservation)
+    async with aioredis.Redis(port=acl_redis.port, username="kvgate-gateway-events", password=PASSWORDS["kvgate-gateway-events"]) as raw:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.set("elsewhere", "x")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.eval("return 1", 0)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.flushall()
+    await both.deregister_node("e1")
 
 
 def test_kvgate_takes_the_directory_user_and_password_from_the_environment(monkeypatch) -> None:

@@ -1,6 +1,8 @@
 """A whole fleet as real processes, for chaos tests: a private redis-server, simulated workers
-(`kvgate worker`, publishing vLLM KV events), one `kvgate bridge` per worker, two `kvgate serve`
-replicas sharing the directory, and Envoy with both replicas as endpoints of its ext_proc cluster.
+(`kvgate worker`, publishing vLLM KV events, each with a transfer agent signing with the fleet's
+secret), one `kvgate bridge` per worker, two `kvgate serve` replicas sharing the directory and
+answering only Envoy (the caller token), and Envoy with both replicas as endpoints of its ext_proc
+cluster.
 
 Everything binds 127.0.0.1 on free ports; every process is a child that the harness kills by its
 own handle. Envoy writes a JSON access log per request (chosen destination, upstream host,
@@ -39,6 +41,7 @@ class Worker:
     port: int
     events_port: int
     replay_port: int
+    transfer_port: int = 0
     proc: Proc | None = None
     bridge: Proc | None = None
 
@@ -70,7 +73,11 @@ class ChaosFleet:
         self.key_prefix = f"kvgate-chaos:{uuid.uuid4().hex[:10]}"
         self.time_scale = time_scale
         self.redis = RedisProcess(free_port(), self.tmp / "redis")
-        self.workers = [Worker(f"w{i + 1}", free_port(), free_port(), free_port()) for i in range(workers)]
+        self.workers = [Worker(f"w{i + 1}", free_port(), free_port(), free_port(), free_port()) for i in range(workers)]
+        self.caller_token = f"chaos-caller-{uuid.uuid4().hex}"  # Envoy → kvgate
+        (self.tmp / "caller-token").write_text(self.caller_token)
+        self.transfer_secret = self.tmp / "transfer-secret"  # the workers' agents sign with it
+        self.transfer_secret.write_text(f"chaos-transfer-{uuid.uuid4().hex}")
         self.replicas = [
             Replica(f"r{i + 1}", free_port(), free_port(), self.tmp / f"r{i + 1}.yaml") for i in range(replicas)
         ]
@@ -132,8 +139,12 @@ class ChaosFleet:
             },
             "limits": {"max_body_bytes": 1 << 20},
             "log": {"level": "WARNING"},
+            "caller_token_file": str(self.tmp / "caller-token"),
             # what may be routed to (the bridges' registrations alone are not trusted), as the chart renders it
-            "fleet": [{"node_id": w.name, "address": w.address} for w in self.workers],
+            "fleet": [
+                {"node_id": w.name, "address": w.address, "transfer_endpoint": f"127.0.0.1:{w.transfer_port}"}
+                for w in self.workers
+            ],
         }
 
     def start_worker(self, w: Worker, *, wait: bool = True) -> None:
@@ -145,6 +156,8 @@ class ChaosFleet:
                 "--time-scale", str(self.time_scale),
                 "--events-endpoint", f"tcp://127.0.0.1:{w.events_port}",
                 "--replay-endpoint", f"tcp://127.0.0.1:{w.replay_port}",
+                "--transfer-port", str(w.transfer_port), "--transfer-secret-file", str(self.transfer_secret),
+                "--transfer-peers", ",".join(f"127.0.0.1:{o.transfer_port}" for o in self.workers if o is not w),
                 "--debug-headers",  # the load attributes answers to workers
             ],
             self.tmp,
@@ -179,6 +192,7 @@ class ChaosFleet:
             message_timeout_ms=1000,
             route_timeout_s=ROUTE_TIMEOUT_S,
             health_check_interval_ms=HEALTH_INTERVAL_MS,
+            caller_token=self.caller_token,
         )
         boot = render_bootstrap(settings)
         hcm = boot["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]

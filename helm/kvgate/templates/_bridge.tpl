@@ -42,7 +42,7 @@ env:
   - name: POD_IP
     valueFrom:
       fieldRef: {fieldPath: status.podIP}
-  {{- include "kvgate.directoryEnv" $root | nindent 2 }}
+  {{- include "kvgate.directoryEnv" (list $root "bridge") | nindent 2 }}
   {{- include "kvgate.redisTlsEnv" $root | nindent 2 }}
   {{- with .extraEnv }}
   {{- toYaml . | nindent 2 }}

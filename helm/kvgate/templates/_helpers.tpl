@@ -72,17 +72,31 @@ memory://
 {{/*
 Env vars giving a container the directory URL with its password: the password comes from the
 Secret, and Kubernetes expands $(REDIS_PASSWORD) into the URL, so no secret is ever in values,
-ConfigMaps or the pod spec.
+ConfigMaps or the pod spec. (list $ role): with redis.acl the container connects as its role's
+user (files/redis-acl.conf; role gateway, gateway-events or bridge) with that user's password.
 */}}
 {{- define "kvgate.directoryEnv" -}}
-{{- $url := include "kvgate.directoryUrl" . -}}
-{{- $secret := include "kvgate.redisSecretName" . -}}
-{{- if $secret }}
+{{- $root := index . 0 -}}
+{{- $role := index . 1 -}}
+{{- $url := include "kvgate.directoryUrl" $root -}}
+{{- $secret := include "kvgate.redisSecretName" $root -}}
+{{- $acl := $root.Values.redis.acl -}}
+{{- if and $acl.enabled $secret }}
+- name: KVGATE_DIRECTORY__URL
+  value: {{ $url | quote }}
+- name: KVGATE_DIRECTORY__USERNAME
+  value: {{ printf "kvgate-%s" $role | quote }}
+- name: KVGATE_DIRECTORY__PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $secret }}
+      key: {{ printf "%s-password" $role }}
+{{- else if $secret }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ $secret }}
-      key: {{ include "kvgate.redisSecretKey" . }}
+      key: {{ include "kvgate.redisSecretKey" $root }}
 {{- $parts := splitn "://" 2 $url }}
 - name: KVGATE_DIRECTORY__URL
   value: {{ printf "%s://:$(REDIS_PASSWORD)@%s" $parts._0 $parts._1 | quote }}
@@ -90,6 +104,43 @@ ConfigMaps or the pod spec.
 - name: KVGATE_DIRECTORY__URL
   value: {{ $url | quote }}
 {{- end }}
+{{- end -}}
+
+{{/* files/redis-acl.conf for this release's key prefix (redis.keyPrefix). */}}
+{{- define "kvgate.redisAcl" -}}
+{{- $p := .Values.redis.keyPrefix -}}
+{{- .Files.Get "files/redis-acl.conf" | replace "~{kvgate}:" (printf "~{%s}:" $p) | replace "~kvgate:" (printf "~%s:" $p) -}}
+{{- end -}}
+
+{{/* Which Redis user the gateway is (redis.acl): it follows the engines' events itself when
+discovery has an events port or a static node has an events endpoint. */}}
+{{- define "kvgate.gatewayRedisRole" -}}
+{{- $d := .Values.fleet.discovery -}}
+{{- $events := and $d.enabled (not (kindIs "invalid" $d.eventsPort)) -}}
+{{- range .Values.fleet.static }}{{ if .events_endpoint }}{{ $events = true }}{{ end }}{{ end -}}
+{{- ternary "gateway-events" "gateway" $events -}}
+{{- end -}}
+
+{{/* The caller token Envoy sends kvgate (gateway.callerToken): its Secret, the placeholder the
+bootstrap carries until the Envoy pod's init container writes the token in, its volume. */}}
+{{- define "kvgate.callerTokenSecret" -}}
+{{- default (printf "%s-caller-token" (include "kvgate.fullname" .)) .Values.gateway.callerToken.existingSecret -}}
+{{- end -}}
+
+{{- define "kvgate.callerTokenPlaceholder" -}}__KVGATE_CALLER_TOKEN__{{- end -}}
+
+{{- define "kvgate.callerTokenVolume" -}}
+{{- if .Values.gateway.callerToken.enabled }}
+- name: caller-token
+  secret:
+    secretName: {{ include "kvgate.callerTokenSecret" . }}
+    items: [{key: token, path: token}]
+{{- end }}
+{{- end -}}
+
+{{/* The fleet's KV transfer secret (transfer.secret), for the engines' --transfer-secret-file. */}}
+{{- define "kvgate.transferSecret" -}}
+{{- default (printf "%s-transfer" (include "kvgate.fullname" .)) .Values.transfer.secret.existingSecret -}}
 {{- end -}}
 
 {{/* The model whose name seeds block keys of discovered engines and bridges. */}}
