@@ -68,13 +68,15 @@ image:
 demo: $(STAMP)
 	$(BIN)/kvgate demo
 
-# The long chaos suite (tests/chaos, ~2 min) runs under `make chaos`; `make test` keeps its
-# short subset (tests marked chaos_short, ~50 s).
+# The long chaos suite (tests/chaos, ~2 min, attacks under load included) runs under `make chaos`,
+# then the hostile suites (every attack of the hardening review, each failing closed); `make test`
+# keeps the chaos suite's short subset (tests marked chaos_short, ~50 s) and the hostile suites.
 test: $(STAMP) $(HELM_STAMP) $(LOADTEST_STAMP) $(SYSDEPS) $(DOCKERDEPS) $(VLLM_STAMP)
 	KVGATE_VLLM_VENV=$(abspath $(VLLM_VENV)) $(BIN)/pytest -q -p no:cacheprovider -m "not chaos" $(PYTEST_ARGS)
 
 chaos: $(STAMP) $(SYSDEPS)
 	$(BIN)/pytest -q -p no:cacheprovider -m "chaos or chaos_short" tests/chaos $(PYTEST_ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider tests/test_hostile_*.py tests/test_redis_acl.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
