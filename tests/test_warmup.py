@@ -28,8 +28,10 @@ def request(blocks: int = 256, affinity: int = 7) -> RoutingRequest:
 
 
 def established(policy, profile: HardwareProfile = PROFILE) -> None:
-    """The policy's first decision: the nodes it sees now are the fleet it started with."""
-    policy.decide(request(), view(node(1), node(2)), profile, now=0.0)
+    """The policy's first decisions: the nodes it sees now are the fleet it started with, and
+    they have carried 30 requests (the yardstick of a share)."""
+    for i in range(30):
+        policy.decide(request(affinity=i), view(node(1), node(2)), profile, now=0.0)
 
 
 def test_a_new_node_takes_a_conversation_with_its_prefix_while_young() -> None:
@@ -64,8 +66,10 @@ def test_no_herd_a_young_node_at_its_share_is_an_ordinary_node() -> None:
     established(p)
     busy = view(node(1, 256), node(2), node(3, inflight=1, held=0))  # above the mean in flight
     assert p.decide(request(), busy, PROFILE, now=10.0).node.node_id == "n1"
-    full = view(node(1, 256), node(2), node(3, held=4000))  # holds as much as the others
-    assert p.decide(request(), full, PROFILE, now=11.0).node.node_id == "n1"
+    for i in range(16):  # n3 serves its own conversations until it has carried its share of the traffic
+        p.decide(request(affinity=i), view(node(1), node(2), node(3, 256, held=0)), PROFILE, now=11.0)
+    fleet = view(node(1, 256), node(2), node(3, held=0))
+    assert p.decide(request(), fleet, PROFILE, now=11.0).node.node_id == "n1"
 
 
 def test_credited_pulls_stay_within_the_link_share_and_the_budget_refills() -> None:

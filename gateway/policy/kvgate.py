@@ -135,6 +135,7 @@ class KvgatePolicy:
             )
             cached_tokens = est.cached_tokens(source.cached_blocks)
         alt = costs[top[1]] if len(top) > 1 else None
+        self.warmup.routed(chosen_view.node.node_id, now)
         warmed = chosen_i in credits
         if warmed:
             self.warmup.spend(chosen_view.node.node_id, chosen.transfer_s, now)

@@ -15,8 +15,11 @@ A young node's pull option gets the credit only when all of these hold:
   restarted engine has an empty cache). The credit fades linearly over the window;
 - **a pull**: the node receives a copy of the prefix, so the conversation keeps its hit and the
   fleet's hit rate does not drop (a young node is never credited for recomputing);
-- **below the fleet's mean**, in requests in flight *and* in blocks held: no herd. Once the new
-  node carries its share, it is an ordinary node;
+- **below the fleet's mean**, in requests in flight *and* in requests this policy routed to it
+  lately (a count fading with a ``RATE_TAU_S`` time constant, against the fleet's count per
+  node): no herd. Once the new node carries its share of the traffic, it is an ordinary node.
+  (Blocks held would be the wrong yardstick: established nodes keep finished conversations'
+  blocks until evicted, so a new node stays "below the mean" long after it has its share);
 - **within its link budget**: credited pulls into one young node use at most ``link_share`` of
   its link (a bucket of link-seconds refilled at ``link_share`` per second, holding one second's
   worth), so warm-up cannot flood the network whatever the traffic.
@@ -33,6 +36,7 @@ position), so each gateway replica warms on its own: with R replicas the link bo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from directory_client.types import NodeView
@@ -42,13 +46,17 @@ DEFAULT_WARMUP_S = 180.0
 DEFAULT_WARMUP_CREDIT = 0.5
 DEFAULT_WARMUP_LINK_SHARE = 0.5
 REJOIN_GAP_S = 30.0
+RATE_TAU_S = 30.0  # time constant of the routed-requests count that says who carries its share
 SCAN_INTERVAL_S = 1.0  # membership is re-read at most this often (a decision must stay O(live nodes))
 
 
 class WarmUp:
     """Which nodes are young, what credit their pulls get, and the link budget they spend."""
 
-    __slots__ = ("window_s", "credit", "link_share", "_first_seen", "_last_seen", "_young", "_budget", "_scanned_at")
+    __slots__ = (
+        "window_s", "credit", "link_share", "_first_seen", "_last_seen", "_young", "_budget", "_scanned_at",
+        "_routed", "_routed_all",
+    )
 
     def __init__(
         self,
@@ -70,6 +78,8 @@ class WarmUp:
         self._young: dict[str, float] = {}  # node_id -> first seen, for nodes younger than the window
         self._budget: dict[str, tuple[float, float]] = {}  # node_id -> (link-seconds left, at)
         self._scanned_at: float | None = None
+        self._routed: dict[str, tuple[float, float]] = {}  # young node -> (fading count of requests routed, at)
+        self._routed_all = (0.0, 0.0)  # the same over the whole fleet
 
     @property
     def enabled(self) -> bool:
@@ -91,6 +101,7 @@ class WarmUp:
             del last_seen[nid], first_seen[nid]
             self._budget.pop(nid, None)
         self._young = {n: t for n, t in first_seen.items() if now - t < self.window_s and last_seen[n] == now}
+        self._routed = {n: c for n, c in self._routed.items() if n in self._young}
 
     def credits(
         self, nodes: Sequence[NodeView], costs: Sequence[CandidateCost], full_prefill_s: float, *, now: float
@@ -104,13 +115,13 @@ class WarmUp:
             return {}
         n = len(nodes)
         mean_inflight = sum(nv.load.inflight for nv in nodes) / n
-        mean_blocks = sum(nv.total_blocks for nv in nodes) / n
+        mean_routed = _faded(self._routed_all, now) / n
         out: dict[int, float] = {}
         for i, nv in enumerate(nodes):
             born = self._young.get(nv.node.node_id)
             if born is None or not costs[i].via_pull:
                 continue
-            if nv.load.inflight > mean_inflight or nv.total_blocks >= mean_blocks:
+            if nv.load.inflight > mean_inflight or _faded(self._routed.get(nv.node.node_id), now) >= mean_routed:
                 continue  # carries its share already: no herd onto it
             if self._level(nv.node.node_id, now) < costs[i].transfer_s:
                 continue  # its warm-up pulls have used their share of the link
@@ -123,6 +134,14 @@ class WarmUp:
         left, at = self._budget.get(node_id, (self.link_share, now))
         return min(self.link_share, left + self.link_share * max(now - at, 0.0))
 
+    def routed(self, node_id: str, now: float) -> None:
+        """Count a decision for ``node_id`` (every decision: the fleet's mean is the yardstick)."""
+        if not self.enabled:
+            return
+        self._routed_all = (_faded(self._routed_all, now) + 1.0, now)
+        if node_id in self._young:
+            self._routed[node_id] = (_faded(self._routed.get(node_id), now) + 1.0, now)
+
     def spend(self, node_id: str, link_s: float, now: float) -> None:
         """A credited pull was chosen: it takes ``link_s`` of the node's link budget."""
         self._budget[node_id] = (self._level(node_id, now) - link_s, now)
@@ -130,3 +149,11 @@ class WarmUp:
     def young(self) -> dict[str, float]:
         """Young nodes (id → first seen) as of the last scan."""
         return dict(self._young)
+
+
+def _faded(count: tuple[float, float] | None, now: float) -> float:
+    """A count that fades by e every ``RATE_TAU_S`` seconds, as of ``now``."""
+    if count is None:
+        return 0.0
+    value, at = count
+    return value * math.exp(-max(now - at, 0.0) / RATE_TAU_S)
