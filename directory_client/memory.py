@@ -14,9 +14,11 @@ import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
 
+from directory_client.hot import check_hot, hot_prefix
 from directory_client.sampling import KeySampler, check_keys
 from directory_client.types import (
     DirectoryView,
+    HotPrefix,
     NodeInfo,
     NodeLoad,
     NodeView,
@@ -137,6 +139,8 @@ class InProcessDirectory:
         self._tokens = itertools.count(1)
         self._writers: dict[str, tuple[str, float]] = {}  # node -> (owner, lease end)
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (node_id, expires at), oldest first
+        self._hot: dict[str, tuple[dict[bytes, float], float]] = {}  # node -> (member -> served at, expires at)
+        self._draining: dict[str, float] = {}  # node -> until
 
     @property
     def index_stride(self) -> int:
@@ -361,6 +365,39 @@ class InProcessDirectory:
         while len(self._sessions) >= MAX_SESSIONS:
             del self._sessions[next(iter(self._sessions))]
         self._sessions[session] = (node_id, self._clock() + ttl_s)
+
+    # -- elastic fleets ------------------------------------------------------------------------
+
+    async def record_hot(self, node_id: str, model: str, tokens: bytes, *, keep: int, ttl_s: float) -> None:
+        check_node_id(node_id)
+        member = check_hot(model, tokens, keep, ttl_s)
+        now = self._clock()
+        served, _ = self._hot.get(node_id, ({}, 0.0))
+        served.pop(member, None)
+        served[member] = now  # insertion order = service order
+        while len(served) > keep:
+            del served[next(iter(served))]
+        self._hot[node_id] = (served, now + ttl_s)
+
+    async def hot_prefixes(self, node_id: str, limit: int) -> list[HotPrefix]:
+        check_node_id(node_id)
+        served, until = self._hot.get(node_id, ({}, 0.0))
+        if until <= self._clock():
+            self._hot.pop(node_id, None)
+            return []
+        out = [hot_prefix(m, at) for m, at in reversed(served.items())]
+        return [h for h in out if h is not None][: max(limit, 0)]
+
+    async def set_draining(self, node_id: str, ttl_s: float) -> None:
+        check_node_id(node_id)
+        if ttl_s > 0:
+            self._draining[node_id] = self._clock() + ttl_s
+        else:
+            self._draining.pop(node_id, None)
+
+    async def draining(self) -> frozenset[str]:
+        now = self._clock()
+        return frozenset(n for n, until in self._draining.items() if until > now)
 
     async def aclose(self) -> None:
         """Nothing to release; present for the protocol."""

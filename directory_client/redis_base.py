@@ -10,6 +10,8 @@ live in one slot and one script can touch them together):
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
   P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms), and, while its
                             prefill counts, "p:token|prefill" -> when its first token is due
+  P:{node}:hot        zset  msgpack [model, tokens] -> when the gateway last routed it (s, its clock)
+  {P}:draining        zset  node_id -> until when it takes no new requests (s, the drainer's clock)
 
 Deadlines use the server's clock (``TIME`` inside scripts), so gateway replicas with skewed
 clocks still agree on who is alive. Every I/O call runs under ``asyncio.timeout(op_timeout_s)``
@@ -25,6 +27,7 @@ import dataclasses
 import itertools
 import json
 import os
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -32,12 +35,14 @@ from typing import Any
 from redis.exceptions import NoScriptError
 
 from directory_client.breaker import CircuitBreaker
+from directory_client.hot import check_hot, hot_prefix
 from directory_client.memory import TIERS
 from directory_client.sampling import KeySampler, check_keys, pack_keys
 from directory_client.scripts import Script, scripts
 from directory_client.types import (
     DirectoryUnavailable,
     DirectoryView,
+    HotPrefix,
     NodeInfo,
     NodeLoad,
     NodeView,
@@ -454,6 +459,40 @@ class RedisDirectoryBase(ABC):
         check_node_id(node_id)
         async with self._io("record_session"):
             await self._client.set(f"{self.key_prefix}:session:{session}", node_id, px=max(1, int(ttl_s * 1000)))
+
+    async def record_hot(self, node_id: str, model: str, tokens: bytes, *, keep: int, ttl_s: float) -> None:
+        check_node_id(node_id)
+        member = check_hot(model, tokens, keep, ttl_s)
+        key = f"{self.key_prefix}:{{{node_id}}}:hot"
+        async with self._io("record_hot"):
+            await self._pipeline([
+                ("ZADD", key, time.time(), member),
+                ("ZREMRANGEBYRANK", key, 0, -keep - 1),
+                ("PEXPIRE", key, max(1, int(ttl_s * 1000))),
+            ])  # fmt: skip
+
+    async def hot_prefixes(self, node_id: str, limit: int) -> list[HotPrefix]:
+        check_node_id(node_id)
+        if limit <= 0:
+            return []
+        async with self._io("hot_prefixes"):
+            rows = await self._client.zrevrange(f"{self.key_prefix}:{{{node_id}}}:hot", 0, limit - 1, withscores=True)
+        out = [hot_prefix(bytes(m), float(at)) for m, at in rows]
+        return [h for h in out if h is not None]
+
+    async def set_draining(self, node_id: str, ttl_s: float) -> None:
+        check_node_id(node_id)
+        key = f"{{{self.key_prefix}}}:draining"
+        async with self._io("set_draining"):
+            if ttl_s > 0:
+                await self._client.zadd(key, {node_id: time.time() + ttl_s})
+            else:
+                await self._client.zrem(key, node_id)
+
+    async def draining(self) -> frozenset[str]:
+        async with self._io("draining"):
+            rows = await self._client.zrangebyscore(f"{{{self.key_prefix}}}:draining", time.time(), "+inf")
+        return frozenset(r.decode() if isinstance(r, bytes) else r for r in rows)
 
     async def aclose(self) -> None:
         """Close the connection pool; a directory that is down closes without raising."""

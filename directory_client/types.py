@@ -110,6 +110,22 @@ class Reservation:
     token: str = field(default="")  # backend-specific handle (e.g. for expiry of leaked reservations)
 
 
+@dataclass(frozen=True, slots=True)
+class HotPrefix:
+    """A prompt a node served recently, as the gateway recorded it: what a drain copies first.
+
+    ``tokens`` are the prompt's token IDs over its full blocks, little-endian uint32 (prompts
+    with a ``cache_salt`` are never recorded: their KV is their tenant's alone)."""
+
+    model: str
+    tokens: bytes
+    at: float  # when it was last served (the recorder's clock, seconds)
+
+    @property
+    def token_count(self) -> int:
+        return len(self.tokens) // 4
+
+
 @runtime_checkable
 class Directory(Protocol):
     """One async interface over the in-process, Redis and Redis Cluster backends.
@@ -176,5 +192,17 @@ class Directory(Protocol):
         less than its TTL ago."""
         ...
     async def record_session(self, session: str, node_id: str, ttl_s: float) -> None: ...
+
+    # elastic fleets (gateway.drain): what a node served lately, and which nodes are draining
+    async def record_hot(self, node_id: str, model: str, tokens: bytes, *, keep: int, ttl_s: float) -> None:
+        """Note that the node just served this prompt; the node keeps its ``keep`` most recent."""
+        ...
+    async def hot_prefixes(self, node_id: str, limit: int) -> list[HotPrefix]:
+        """The node's most recently served prompts, newest first."""
+        ...
+    async def set_draining(self, node_id: str, ttl_s: float) -> None:
+        """Take no new requests to the node for ``ttl_s`` (0: it takes them again)."""
+        ...
+    async def draining(self) -> frozenset[str]: ...
 
     async def aclose(self) -> None: ...

@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from directory_client.types import Directory, DirectoryUnavailable
 from gateway.admin_debug import DebugApi
+from gateway.admin_drain import DrainApi
 from gateway.fleet_status import FleetMonitor
 from gateway.metrics import REGISTRY, FleetCollector, TokenizerCacheCollector, exposition
 from tokenizer import PromptTokenizer
@@ -35,10 +36,12 @@ def build_admin_app(
     tokenizer: PromptTokenizer | None = None,
     monitor: FleetMonitor | None = None,
     debug: DebugApi | None = None,
+    drain: DrainApi | None = None,
     readiness_timeout_s: float = 0.5,
     client_max_size: int = 9 << 20,
 ) -> web.Application:
-    """The admin app; ``debug`` None leaves ``/debug/*`` and ``/dashboard`` unrouted (404)."""
+    """The admin app; ``debug`` None leaves ``/debug/*`` and ``/dashboard`` unrouted (404), ``drain``
+    None ``/admin/drain/*``."""
     own = CollectorRegistry(auto_describe=False)
     if tokenizer is not None:
         own.register(TokenizerCacheCollector(lambda: tokenizer.cache_stats))
@@ -86,4 +89,6 @@ def build_admin_app(
     app.router.add_get("/metrics", metrics)
     if debug is not None:
         debug.add_routes(app)
+    if drain is not None:
+        drain.add_routes(app)
     return app

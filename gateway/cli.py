@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "worker": ("workers.engine.cli", "run a simulated inference engine (OpenAI API, KV events)"),
     "bridge": ("workers.bridge_cmd", "forward engines' KV events into the directory"),
     "pd-sidecar": ("workers.pd_sidecar", "a decode node's P/D sidecar: prefill on x-prefiller-host-port, then decode locally"),
+    "drain": ("gateway.drain_cmd", "drain a node before it goes: no new requests, hot prefixes copied, in-flight finished"),
     "doctor": ("gateway.doctor", "check end to end that each node's KV blocks are keyed as kvgate keys its prompts"),
     "bench": ("gateway.bench_cmd", "measure what the gateway costs per request"),
     "demo": ("loadtest.demo", "the headline experiment at demo scale: 8 nodes, multi-turn chats, round-robin vs kvgate"),

@@ -239,6 +239,9 @@ class PolicyConfig(_Section):
     session_slack: float = Field(
         0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"
     )
+    warmup_s: float = Field(180.0, ge=0, description="kvgate: a node that joined this recently is warmed by pulls (0: off)")
+    warmup_credit: float = Field(0.5, ge=0, description="kvgate: a young node's pull is credited this fraction of a full prefill")
+    warmup_link_share: float = Field(0.5, gt=0, le=1, description="kvgate: share of a young node's link its warm-up pulls may use")
 
     @field_validator("name")
     @classmethod

@@ -53,6 +53,7 @@ from gateway import metrics
 from gateway.background_tokenize import BackgroundTokenizer
 from gateway.decision_log import DecisionLog
 from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
+from gateway.elastic import DrainingNodes, HotRecorder, hot_tokens
 from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.sessions import session_id, session_key
@@ -169,6 +170,8 @@ class RoutingCore:
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
         self.tracer = tracer  # None: tracing is off, no span is ever built
         self.clock = clock  # the time a decision is made at (the simulator's is virtual)
+        self.hot = HotRecorder(directory)  # what each node served lately: a drain copies it first
+        self.draining = DrainingNodes(directory)  # nodes being drained get no new request
 
     async def route(
         self,
@@ -266,7 +269,10 @@ class RoutingCore:
         )
         t2 = time.perf_counter()
         decided = await self._decide(request, keys, self._answer_tokens(req, request))
-        return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
+        result = await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
+        if hold is not None and result.kind == "routed" and result.decision is not None and result.decision.node:
+            self.hot.record(result.decision.node.node_id, prompt.model, hot_tokens(request, prompt.token_ids))
+        return result
 
     async def _route_by_head(
         self,
@@ -415,7 +421,8 @@ class RoutingCore:
         done = time.perf_counter()
         metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
         rnd = decide_round(
-            self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer, max_hold_s=self.limits.max_hold_s
+            self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer,
+            max_hold_s=self.limits.max_hold_s, draining=self.draining.current(),
         )
         if rnd.decision.node is None:
             failed = RouteResult("fail_open", decision=rnd.decision, reason="no_live_node")

@@ -6,6 +6,7 @@ one is: the same request (prompt-hash affinity included), the same policy call, 
 estimates, the same reservation (queued prefill released at the estimated first token). Pure: no
 I/O, the time is passed in. In a fleet that declares roles, a prefill-only node is never the
 policy's destination and a cost-model policy may split the request (``gateway.policy.disagg``).
+A draining node (``gateway.drain``) is taken out of the view: it gets no new request.
 """
 
 from __future__ import annotations
@@ -91,13 +92,17 @@ def decide_round(
     now: float,
     answer_tokens: int,
     max_hold_s: float = MAX_HOLD_S,
+    draining: frozenset[str] = frozenset(),
 ) -> Round:
     """The policy's decision on ``view`` and the reservation it implies.
 
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
     prefill); the service time adds the answer budget decoded at the node's batch size with this
-    request in it. With no node chosen every figure is zero.
+    request in it. With no node chosen every figure is zero. Nodes in ``draining`` are not
+    candidates (nor pull sources) unless no other node is live: a drain never turns traffic away.
     """
+    if draining and any(nv.node.node_id not in draining for nv in view.nodes):
+        view = DirectoryView(tuple(nv for nv in view.nodes if nv.node.node_id not in draining), view.answerable_blocks)
     roles = declares_roles(view)
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
     if roles and isinstance(policy, KvgatePolicy):  # a cost-model policy prices splitting; balancers never split

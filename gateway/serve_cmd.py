@@ -29,6 +29,7 @@ from ext_proc.ext_authz import ExtAuthzService
 from ext_proc.server import build_server
 from gateway.admin import build_admin_app
 from gateway.admin_debug import DebugApi
+from gateway.admin_drain import drain_api
 from gateway.background_tokenize import BackgroundTokenizer
 from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
@@ -210,8 +211,10 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     debug = None
     if decision_log is not None:
         debug = DebugApi(core, decision_log, monitor, token=cfg.admin.bearer_token() or "")
+    token = cfg.admin.bearer_token()
+    drain = drain_api(core, token=token, link=cfg.policy.link, adapters=cfg.lora_adapters) if token else None
     admin = build_admin_app(
-        directory, tokenizer=tokenizer, monitor=monitor, debug=debug,
+        directory, tokenizer=tokenizer, monitor=monitor, debug=debug, drain=drain,
         client_max_size=cfg.limits.max_body_bytes + (1 << 20),
     )
     admin_runner = web.AppRunner(admin, access_log=None)

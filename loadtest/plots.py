@@ -14,6 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from loadtest.elastic_plots import scale_timeline  # noqa: E402
 from loadtest.report import focus_turn  # noqa: E402
 
 
@@ -81,6 +82,9 @@ def write_plots(result: Mapping[str, Any], samples_ms: Mapping[str, Sequence[flo
     by_turn = ttft_by_turn(pols, d / "ttft_by_turn.png")
     if by_turn is not None:
         out.append(by_turn)
+    scaled = scale_timeline(pols, d / "scale_timeline.png")
+    if scaled is not None:
+        out.append(scaled)
     return out
 
 

@@ -21,6 +21,8 @@ from gateway.profile import load_profile
 from loadtest.policies import SIM_POLICIES, parse_policies
 from loadtest.replay import add_run_args, emit
 from loadtest.report import wide_console
+from loadtest.elastic_figures import elastic_figures
+from loadtest.sim.elastic import parse_scale, split_variant
 from loadtest.sim.simulator import SimConfig, Simulator
 from loadtest.summary import add_pool_share, summarize, ttft_samples_ms
 from loadtest.workload_args import TOKEN_ID_WORKLOADS, add_workload_args, build_workload
@@ -45,6 +47,10 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="give nodes transfer agents so kvgate may pull prefixes over this link")
     f.add_argument("--roles", default=None, metavar="P:D",
                    help="disaggregated fleet: P prefill nodes and D decode nodes (P + D = --nodes); default: every node both")
+    f.add_argument("--scale", default=None, metavar="T:+N,T:-N",
+                   help="scale events: at virtual second T add N nodes (+N) or remove N (-N), e.g. 300:+4,600:-4")
+    f.add_argument("--drain", choices=("on", "off"), default="off",
+                   help="drain removed nodes first (also per policy: kvgate+drain); kvgate+nowarm turns warm-up off")
     f.add_argument("--block-size", type=int, default=None,
                    help="override the profile's block size (e.g. 512 for the whole Mooncake trace)")
 
@@ -70,7 +76,10 @@ def _profile(args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], dict[str, list[float]]]:
     if not 1 <= args.nodes <= MAX_NODES:
         raise ValueError(f"--nodes must be 1..{MAX_NODES}")
-    policies = parse_policies(args.policies, list(SIM_POLICIES))
+    variants = {name: split_variant(name) for name in dict.fromkeys(p.strip() for p in args.policies.split(",") if p.strip())}
+    parse_policies(",".join(base for base, _, _ in variants.values()), list(SIM_POLICIES))
+    policies = list(variants)
+    scale = parse_scale(args.scale)
     profile = _profile(args)
     tokenizer = None if args.workload in TOKEN_ID_WORKLOADS else PromptTokenizer()
     workload = build_workload(args, tokenizer)
@@ -84,15 +93,17 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
                      "sessions": len(workload.sessions), "max_requests": workload.max_requests},
         "fleet": {"nodes": args.nodes, "profile": profile.name, "block_size": profile.block_size,
                   "kv_blocks": args.kv_blocks or profile.kv_capacity_blocks, "view": args.view, "pulls": args.pulls,
-                  "roles": args.roles or "all both"},
+                  "roles": args.roles or "all both", "scale": args.scale or "", "drain": args.drain},
         "policies": {},
         "skipped": {},
     }
     samples: dict[str, list[float]] = {}
     cap = workload.max_requests if args.max_requests is None else min(args.max_requests, workload.max_requests)
     for name in policies:
+        base, drain, warm = variants[name]
         cfg = SimConfig(
-            policy=name, nodes=args.nodes, profile=profile, capacity_blocks=args.kv_blocks, view=args.view,
+            policy=base, nodes=args.nodes, scale=scale, drain=drain or args.drain == "on",
+            policy_options={} if warm or base != "kvgate" else {"warmup_s": 0.0}, profile=profile, capacity_blocks=args.kv_blocks, view=args.view,
             pull_link=None if args.pulls == "off" else args.pulls, max_requests=args.max_requests,
             duration_s=args.duration, roles=_roles(args.roles),
         )
@@ -105,9 +116,11 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
         decision = {"p50": dec[len(dec) // 2] * 1000 if dec else None,
                     "p99": dec[min(int(len(dec) * 0.99), len(dec) - 1)] * 1000 if dec else None}
         result["policies"][name] = summarize(
-            res.records, wall_s=res.wall_s, busy_s=res.busy_s, nodes=[n.node_id for n in sim.nodes],
+            res.records, wall_s=res.wall_s, busy_s=res.busy_s, nodes=list(sim.by_id),
             decision_ms=decision, extra={"sim_cpu_s": res.cpu_s, **res.extra},
         )
+        if sim.elastic is not None:
+            result["policies"][name].update(elastic_figures(res.records, sim.elastic.members, sim.elastic.copies))
         samples[name] = ttft_samples_ms(res.records)
         console.print(f"{name}: simulated {res.wall_s:,.0f} s of fleet time in {res.cpu_s:.1f} s")
     add_pool_share(result["policies"])

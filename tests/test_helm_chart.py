@@ -11,6 +11,7 @@ import copy
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -700,3 +701,15 @@ async def test_bundled_redis_gives_each_role_its_own_user(chart: Any, tmp_path: 
             await d.aclose()
         proc.kill()
         proc.wait(timeout=10)
+def test_the_drain_prestop_hook_calls_the_admin_api_and_never_holds_the_pod(chart: Any) -> None:
+    docs = render(chart, {**VALUE_SETS["defaults"], "drain": {"deadlineSeconds": 12}})
+    hook = yaml.safe_load(one(docs, "ConfigMap", "-drain-prestop")["data"]["lifecycle.yaml"])
+    command = hook["preStop"]["exec"]["command"]
+    assert command[:2] == ["python3", "-c"]
+    script = command[2]
+    assert f"http://{RELEASE}-kvgate-gateway.{NAMESPACE}.svc.cluster.local:9003" in script
+    assert "deadline = 12" in script and "/var/run/kvgate-admin/token" in script
+    # what the pod sees when the drain cannot run (no token file here): a message, exit status 0
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30,
+                          env={"HOSTNAME": "vllm-0", "PATH": os.environ.get("PATH", "")})  # fmt: skip
+    assert done.returncode == 0 and "kvgate drain failed" in done.stderr

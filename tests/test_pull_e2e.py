@@ -35,7 +35,8 @@ PAYLOAD = 1 << 20  # real bytes per block: big enough that a pull takes a while 
 
 
 class PullStack:
-    def __init__(self, tmp, envoy_bin: str, redis_url: str) -> None:
+    def __init__(self, tmp, envoy_bin: str, redis_url: str, *, admin: dict | None = None) -> None:
+        self.admin = admin  # the kvgate config's admin section (None: its defaults)
         self.tmp, self.redis_url, self.key_prefix = tmp, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}"
         self.workers: dict[str, Proc] = {}
         try:
@@ -85,6 +86,8 @@ class PullStack:
             "policy": {"name": "kvgate", "profile": str(self.profile_path), "link": "rdma"},
             "limits": {"max_body_bytes": 1 << 20},
         }
+        if self.admin is not None:
+            config["admin"] = self.admin
         self.kvgate = start_kvgate(config, tmp)
         self.envoy = start_envoy(
             envoy_bin,

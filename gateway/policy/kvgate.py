@@ -21,6 +21,10 @@ A request naming its conversation (``RoutingRequest.session_node``, see ``gatewa
 stays on the node that served the conversation last while that node's estimate is within
 ``session_slack`` (25%) of the cheapest: a rewritten history keeps its node, but a node that is
 much cheaper (it holds the new prompt, or the session's node is queued) still wins.
+
+A node that joined the fleet less than ``warmup_s`` ago gets a credit on its pull option while it
+carries less than its share (``gateway.policy.warmup``): scale-out takes conversations to the new
+node with their prefixes, bounded by a share of its link.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from gateway.policy.base import (
 )
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
+from gateway.policy.warmup import DEFAULT_WARMUP_CREDIT, DEFAULT_WARMUP_LINK_SHARE, DEFAULT_WARMUP_S, WarmUp
 from gateway.profile import HardwareProfile
 from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingRequest
 
@@ -62,6 +67,9 @@ class KvgatePolicy:
         tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
         memory_value: float = DEFAULT_MEMORY_VALUE,
         session_slack: float = DEFAULT_SESSION_SLACK,
+        warmup_s: float = DEFAULT_WARMUP_S,
+        warmup_credit: float = DEFAULT_WARMUP_CREDIT,
+        warmup_link_share: float = DEFAULT_WARMUP_LINK_SHARE,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -84,6 +92,7 @@ class KvgatePolicy:
         self.tie_tolerance_s = float(tie_tolerance_s)
         self.memory_value = float(memory_value)
         self.session_slack = float(session_slack)
+        self.warmup = WarmUp(warmup_s, warmup_credit, warmup_link_share)  # scale-out: new nodes are warmed
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -99,16 +108,17 @@ class KvgatePolicy:
         tol = self.tie_tolerance_s
 
         costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)
+        credits = self.warmup.credits(nodes, costs, est.prefill_s(0), now=now)
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
-        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity)
+        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, credits)
         kept = keep_session(top, costs, nodes, request.session_node, self.session_slack, tol)
         if kept is not None:
             top = [kept] + [i for i in top if i != kept]
         chosen_i = top[0]
         fallbacks = distinct_addresses((nodes[i] for i in top), nodes[chosen_i], self.fallbacks)
         if len(fallbacks) < self.fallbacks and len(top) < len(nodes):  # repeated addresses: rank all
-            everyone = rank_candidates(costs, nodes, tol, len(nodes), request.affinity)
+            everyone = rank_candidates(costs, nodes, tol, len(nodes), request.affinity, credits)
             fallbacks = distinct_addresses((nodes[i] for i in everyone), nodes[chosen_i], self.fallbacks)
 
         chosen, chosen_view = costs[chosen_i], nodes[chosen_i]
@@ -125,6 +135,10 @@ class KvgatePolicy:
             )
             cached_tokens = est.cached_tokens(source.cached_blocks)
         alt = costs[top[1]] if len(top) > 1 else None
+        self.warmup.routed(chosen_view.node.node_id, now)
+        warmed = chosen_i in credits
+        if warmed:
+            self.warmup.spend(chosen_view.node.node_id, chosen.transfer_s, now)
         return Decision(
             policy=self.name,
             outcome=outcome,
@@ -134,6 +148,7 @@ class KvgatePolicy:
             expected_cached_tokens=cached_tokens,
             candidates=tuple(costs),
             reason=("keeps its session's node; " if kept is not None else "")
+            + (f"warms new node {chosen.node_id} (credit {credits[chosen_i]:.3f} s); " if warmed else "")
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
 
@@ -152,15 +167,23 @@ def keep_session(
 
 
 def rank_candidates(
-    costs: list[CandidateCost], nodes: tuple[NodeView, ...], tol: float, count: int, affinity: int = 0
+    costs: list[CandidateCost],
+    nodes: tuple[NodeView, ...],
+    tol: float,
+    count: int,
+    affinity: int = 0,
+    credits: dict[int, float] | None = None,
 ) -> list[int]:
     """Indices of the best ``count`` candidates, best first.
 
-    Ranked by ``score`` (TTFT plus memory, which is 0 when memory is not priced). Costs within
+    Ranked by ``score`` (TTFT plus memory, which is 0 when memory is not priced) less any warm-up
+    credit (``gateway.policy.warmup``: index → seconds). Costs within
     ``tol`` of the cheapest are tied and ordered least loaded first (then by the
     spread hash); the others follow by cost (then node_id, the view's order).
     """
     totals = [c.score for c in costs]
+    for i, credit in (credits or {}).items():
+        totals[i] -= credit
     floor = min(totals) + tol
     tied = [i for i, t in enumerate(totals) if t <= floor]
     if len(tied) > 1:

@@ -45,6 +45,7 @@ from gateway.types import PrefillPlan
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
 from loadtest.policies import ORACLE, ORACLE_POOL
 from loadtest.records import RequestRecord
+from loadtest.sim.elastic import Elastic, ScaleEvent
 from loadtest.sim.feed import DirectoryFeed
 from loadtest.sim.node import SimNode
 from loadtest.sim.pool import PooledMemory
@@ -57,7 +58,7 @@ from workers.engine.openai_api import APIError, generation_options
 from workers.engine.sampling import ReplySampler
 from workers.engine.scheduler import SimRequest
 
-ARRIVE, SUBMIT, STEP_END = 0, 1, 2
+ARRIVE, SUBMIT, STEP_END, CALL = 0, 1, 2, 3
 FOREVER_S = 1e12  # heartbeat TTL: simulated nodes never miss a heartbeat
 
 
@@ -73,6 +74,9 @@ class SimConfig:
     duration_s: float = float("inf")  # no arrival after this (virtual seconds)
     default_max_tokens: int = 16
     roles: tuple[int, int] | None = None  # (prefill, decode) node counts; None: every node both
+    scale: tuple[ScaleEvent, ...] = ()  # nodes joining and leaving (``loadtest.sim.elastic``)
+    drain: bool = False  # leaving nodes are drained first
+    policy_options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -118,16 +122,18 @@ class Simulator:
         if config.roles is not None and (sum(config.roles) != config.nodes or min(config.roles) < 1):
             raise ValueError(f"roles {config.roles[0]}:{config.roles[1]} must be at least one of each and add up to {config.nodes} nodes")
         role = (lambda i: "prefill" if i < config.roles[0] else "decode") if config.roles else (lambda i: "both")  # type: ignore[index]
-        self.nodes = [
-            SimNode.build(
+
+        def build(i: int) -> SimNode:
+            return SimNode.build(
                 NodeInfo(f"n{i + 1}", f"10.0.{i // 250}.{i % 250 + 1}:8000",
                          transfer_endpoint=f"10.0.{i // 250}.{i % 250 + 1}:9100" if transfer else "",
                          capacity_blocks=capacity, model=workload.model, role=role(i)),
                 p, capacity,
             )
-            for i in range(config.nodes)
-        ]
-        self.by_id = {n.node_id: n for n in self.nodes}
+
+        self._build_node = build
+        self.nodes = [build(i) for i in range(config.nodes)]  # the live fleet (scale events change it)
+        self.by_id = {n.node_id: n for n in self.nodes}  # every node that ever served
         self.directory = InProcessDirectory(
             heartbeat_ttl_s=FOREVER_S, index_stride=DEFAULT_INDEX_STRIDE, max_request_s=FOREVER_S,
             dead_node_retention_s=FOREVER_S, clock=lambda: self.now,
@@ -142,9 +148,9 @@ class Simulator:
         if self.oracle:
             self.policy = make_policy("least_request")
         elif config.policy in ("kvgate", "kvgate_nopull") and config.pull_link:
-            self.policy = make_policy(config.policy, link=config.pull_link)
+            self.policy = make_policy(config.policy, link=config.pull_link, **config.policy_options)
         else:
-            self.policy = make_policy(config.policy)
+            self.policy = make_policy(config.policy, **config.policy_options)
         self.seen_hashes: set[int] = set()  # every engine block computed anywhere (the oracle's cache)
         encode = (lambda s: tokenizer.encode_text(s, add_special_tokens=False)) if tokenizer else None
         self.sampler = ReplySampler.from_encoder(encode) if encode else ReplySampler(np.arange(1000, 1400))
@@ -157,6 +163,28 @@ class Simulator:
         self.last_finish = 0.0
         self._pending: dict[str, _Ctx] = {}  # request_id -> context, while on a node
         self.on_round: Callable[[RequestSpec, Round], None] | None = None  # sees each round before its reservation
+        self.elastic = Elastic(self, config.scale, drain=config.drain) if config.scale else None
+
+    # -- the fleet changes (``loadtest.sim.elastic``) ---------------------------------------------
+
+    def add_node(self) -> SimNode:
+        node = self._build_node(len(self.by_id))
+        self.nodes.append(node)
+        self.by_id[node.node_id] = node
+        run_now(self.directory.register_node(node.info))
+        self.feeds[node.node_id] = DirectoryFeed(node.node_id, self.directory, model=self.workload.model, block_size=self.bs)
+        return node
+
+    def remove_node(self, node: SimNode) -> None:
+        """The node gets no new request; what it runs finishes; its cache leaves with it."""
+        self.nodes.remove(node)
+        run_now(self.directory.deregister_node(node.node_id))
+
+    def schedule(self, t: float, call: Callable[[], None]) -> None:
+        self._push(t, CALL, call)
+
+    def feed(self, node: SimNode, events: list[CacheEvent]) -> None:
+        self._events(node, events)
 
     # -- queue -------------------------------------------------------------------------------
 
@@ -169,6 +197,8 @@ class Simulator:
         for s in self.workload.sessions:
             if s.start_s <= self.cfg.duration_s:
                 self._push(s.start_s, ARRIVE, (s, 1, []))
+        if self.elastic is not None:
+            self.elastic.start()
         heap = self._heap
         while heap:
             t, _, kind, payload = heapq.heappop(heap)
@@ -177,13 +207,15 @@ class Simulator:
                 self._step_end(payload, on_request)
             elif kind == ARRIVE:
                 self._arrive(*payload, on_request=on_request)
+            elif kind == CALL:
+                payload()
             else:
                 self._submit(*payload)
         first = min((r.sent_at for r in self.records), default=0.0)
         return SimResult(
             sorted(self.records, key=lambda r: r.sent_at),
             max(self.last_finish - first, 0.0),
-            {n.node_id: n.scheduler.counters.busy_s for n in self.nodes},
+            {n.node_id: n.scheduler.counters.busy_s for n in self.by_id.values()},
             self.decision_s,
             time.perf_counter() - t_cpu,
             {"preemptions": sum(n.scheduler.counters.preemptions for n in self.nodes)},
@@ -232,13 +264,17 @@ class Simulator:
         keys = sim.keys[:prompt_blocks]
         view = self._view(sim, keys)
         request = routing_request(model, ids, keys, block_size=bs, seed=self.key_seed, request_id=sim.request_id)
-        rnd = decide_round(self.policy, request, view, self.profile, now=now, answer_tokens=answer_tokens(spec.body))
+        draining = self.elastic.draining() if self.elastic is not None else frozenset()
+        rnd = decide_round(self.policy, request, view, self.profile, now=now, answer_tokens=answer_tokens(spec.body),
+                           draining=draining)  # fmt: skip
         self.decision_s.append(time.perf_counter() - t0)
         decision = rnd.decision
         assert decision.node is not None, "the simulated fleet always has live nodes"
         if self.on_round is not None:
             self.on_round(spec, rnd)
         node = self.by_id[decision.node.node_id]
+        if self.elastic is not None:
+            self.elastic.record(request, ids, node.node_id, model)
         reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s))
         ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
         if decision.prefill is not None:
@@ -352,6 +388,8 @@ class Simulator:
                 self._finish(ctx, now, on_request)
             node.step = None
             if not node.scheduler.has_work():
+                if self.elastic is not None:
+                    self.elastic.node_idle(node)
                 return
             step = node.step = node.scheduler.schedule(now)
             if step is None:
