@@ -33,6 +33,23 @@ HEADERS_CONTINUE_SEND_RESPONSE_HEADERS = pb.ProcessingResponse(
 RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
 """Response headers seen, no change."""
 
+HEADERS_CONTINUE_OBSERVE_USAGE = pb.ProcessingResponse(
+    request_headers=pb.HeadersResponse(),
+    mode_override=processing_mode_pb2.ProcessingMode(
+        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
+        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
+        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
+        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
+    ),
+).SerializeToString()
+"""Headers seen, send the body, and show us the response's headers and body chunk by chunk (a
+sampled request whose ``usage.cached_tokens`` is read: ``ext_proc.usage``)."""
+
+RESPONSE_BODY_CONTINUE = pb.ProcessingResponse(response_body=pb.BodyResponse()).SerializeToString()
+"""A response body chunk seen, no change."""
+
 BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeToString()
 """Body seen, no change: Envoy's fallback route balances it (fail open)."""
 

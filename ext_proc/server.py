@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import random
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -29,6 +30,7 @@ from google.protobuf import struct_pb2
 from prometheus_client import Counter
 
 from ext_proc import responses
+from ext_proc.usage import UsageTail, record_usage
 from gateway import metrics
 from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import CALLER_TOKEN_HEADER, DESTINATION_HEADER, INFERENCE_PATHS
@@ -98,9 +100,11 @@ class ExtProcService:
     """
 
     def __init__(
-        self, core: RoutingCore, health: NodeHealth | None = None, caller_token: str = "", *, prediction_headers: bool = False
+        self, core: RoutingCore, health: NodeHealth | None = None, caller_token: str = "", *, prediction_headers: bool = False,
+        usage_sample: float = 0.0,
     ) -> None:
         self.core = core
+        self.usage_sample = usage_sample  # share of requests whose answer's cached_tokens is read (ext_proc.usage)
         self.health = health
         self.caller_token = caller_token
         self.observing = False  # Envoy sends response headers (seen once): a stream without them was reset
@@ -112,8 +116,9 @@ class ExtProcService:
         result: RouteResult | None = None
         end = "ok"
         seen_status = False
+        tail = UsageTail() if self.usage_sample and random.random() < self.usage_sample else None
         try:
-            result = await self._exchange(context)
+            result = await self._exchange(context, observe_usage=tail is not None)
             # Wait for Envoy to close the stream: that is the end of the HTTP exchange. With
             # response headers sent (EnvoySettings.observe_responses, or asked for the prediction
             # headers) the node's answer is seen.
@@ -122,6 +127,13 @@ class ExtProcService:
                     seen_status = self.observing = True
                     self._outcome(result, _header_map(msg.response_headers).get(":status", ""))
                     await context.write(prediction_response(result))
+                elif msg.HasField("response_body"):
+                    if tail is not None:
+                        tail.feed(msg.response_body.body)
+                        if msg.response_body.end_of_stream:
+                            record_usage(result, tail)
+                            tail = None
+                    await context.write(responses.RESPONSE_BODY_CONTINUE)
                 else:
                     await context.write(responses.EMPTY)
         except asyncio.CancelledError:
@@ -132,6 +144,8 @@ class ExtProcService:
             log.exception("ext_proc stream failed")
         finally:
             metrics.EXT_PROC_STREAMS.labels(end).inc()
+            if tail is not None and tail.fed:  # Envoy ended the stream without marking the body's end
+                record_usage(result, tail)
             if end == "ok" and result is not None and self.health is not None and self.observing and not seen_status:
                 self._outcome(result, "reset")  # routed, but no answer ever came back
             if result is not None:
@@ -150,7 +164,7 @@ class ExtProcService:
         if node is not None:
             self.health.record(node.node_id, status.isdigit() and int(status) < 500)
 
-    async def _exchange(self, context: grpc.aio.ServicerContext) -> RouteResult | None:
+    async def _exchange(self, context: grpc.aio.ServicerContext, *, observe_usage: bool = False) -> RouteResult | None:
         msg = await context.read()
         if msg is grpc.aio.EOF:
             return None
@@ -172,7 +186,7 @@ class ExtProcService:
             await context.write(immediate_response(400, responses.EMPTY_BODY_ERROR))
             metrics.REJECTED.labels("400").inc()
             return None
-        await context.write(self.headers_continue)
+        await context.write(responses.HEADERS_CONTINUE_OBSERVE_USAGE if observe_usage else self.headers_continue)
 
         body = bytearray()
         while True:
@@ -213,10 +227,11 @@ def build_server(
     *,
     caller_token: str = "",
     prediction_headers: bool = False,
+    usage_sample: float = 0.0,
 ) -> grpc.aio.Server:
     """A grpc.aio server with the ext_proc service bound to ``address`` (host:port); the other
     arguments are ``ExtProcService``'s."""
-    service = ExtProcService(core, health, caller_token, prediction_headers=prediction_headers)
+    service = ExtProcService(core, health, caller_token, prediction_headers=prediction_headers, usage_sample=usage_sample)
     max_message = core.limits.max_body_bytes + MESSAGE_SLACK  # one message never carries more than a body
     handler = grpc.method_handlers_generic_handler(
         SERVICE,

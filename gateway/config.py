@@ -437,6 +437,18 @@ class SessionsConfig(_Section):
     ttl_s: float = Field(1800.0, ge=0, description="how long a session's node is remembered; 0 = sessions off")
 
 
+class DoctorConfig(_Section):
+    """``kvgate doctor``'s canary check of every fleet node, run inside ``kvgate serve`` (gateway/node_doctor.py):
+    a node that fails it is routed by load only until it passes again."""
+
+    interval_s: float = Field(
+        0.0, ge=0, description="check each node at start and this often (each check sends it four one-token "
+        "requests); 0 = off. 600 is a sensible production value",
+    )
+    timeout_s: float = Field(10.0, gt=0, description="seconds to wait for a node's answers and KV events")
+    retry_s: float = Field(30.0, gt=0, description="a node that did not answer is checked again after this long")
+
+
 class PredictionConfig(_Section):
     """Response headers telling a client what kvgate expects of its request; off by default.
 
@@ -528,6 +540,11 @@ class KvgateConfig(BaseSettings):
         15.0, ge=0, description="read each fleet node's /metrics (vLLM prefix-cache hits and queries) this often, "
         "to compare with what kvgate predicted (kvgate_engine_prefix_cache_*); 0 = off",
     )
+    usage_sample: float = Field(
+        0.0, ge=0, le=1, description="share of requests (ext_proc) whose answer's usage.prompt_tokens_details.cached_tokens "
+        "kvgate reads, beside what it predicted (kvgate_node_observed_*); each read costs a gRPC message per "
+        "response chunk. 0 = off; 0.01-0.05 is plenty",
+    )
     discovery: DiscoveryConfig = DiscoveryConfig()
     policy: PolicyConfig = PolicyConfig()
     limits: LimitsConfig = LimitsConfig()
@@ -535,6 +552,7 @@ class KvgateConfig(BaseSettings):
     admin: AdminConfig = AdminConfig()
     tracing: TracingConfig = TracingConfig()
     prediction: PredictionConfig = PredictionConfig()
+    doctor: DoctorConfig = DoctorConfig()
     sessions: SessionsConfig = SessionsConfig()
 
     @classmethod

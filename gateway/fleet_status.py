@@ -14,10 +14,13 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from directory_client.types import Directory, DirectoryUnavailable, NodeView
 from gateway import metrics
+
+if TYPE_CHECKING:
+    from gateway.node_doctor import NodeVerdicts
 
 
 class BridgeStats(Protocol):
@@ -42,6 +45,7 @@ class NodeStatus:
     cached_blocks: int | None = None
     bridge: dict[str, Any] | None = None  # the in-process bridge's view of this engine, if any
     cache_loop: dict[str, float] | None = None  # predicted vs delivered tokens (metrics.NodeCacheLoop.view)
+    doctor: dict[str, Any] | None = None  # the last canary check of the node (gateway.node_doctor), if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +76,7 @@ class FleetMonitor:
         *,
         configured: Sequence[tuple[str, str]] = (),
         bridges: Callable[[], Iterable[BridgeStats]] = tuple,
+        verdicts: NodeVerdicts | None = None,
         max_age_s: float = 1.0,
         timeout_s: float = 0.5,
     ) -> None:
@@ -79,6 +84,7 @@ class FleetMonitor:
         self._directory = directory
         self._configured = list(configured)
         self._bridges = bridges
+        self._verdicts = verdicts
         self._max_age_s = max_age_s
         self._timeout_s = timeout_s
         self._last: FleetSnapshot | None = None
@@ -118,16 +124,24 @@ class FleetMonitor:
         bridged = self._bridge_stats()
         by_id: dict[str, NodeStatus] = {}
         for nv in view.nodes:
-            by_id[nv.node.node_id] = self._status(nv, bridged)
+            by_id[nv.node.node_id] = self._status(nv, bridged, self._doctor_view(nv.node.node_id))
         for node_id, address in self._configured:
             if node_id not in by_id:
                 stats = bridged.get(node_id)
-                by_id[node_id] = NodeStatus(node_id=node_id, address=address, live=False, bridge=_bridge_view(stats))
+                by_id[node_id] = NodeStatus(node_id=node_id, address=address, live=False, bridge=_bridge_view(stats),
+                                            doctor=self._doctor_view(node_id))  # fmt: skip
         return FleetSnapshot(taken, tuple(by_id[k] for k in sorted(by_id)), "directory")
 
     def degraded(self) -> dict[str, str]:
-        """Nodes this process's bridges route by load only, and why (no directory call)."""
-        return {node_id: s.degraded for node_id, s in self._bridge_stats().items() if getattr(s, "degraded", "")}
+        """Nodes routed by load only, and why: by this process's bridges or its doctor (no directory call)."""
+        out = {node_id: s.degraded for node_id, s in self._bridge_stats().items() if getattr(s, "degraded", "")}
+        if self._verdicts is not None:
+            for node_id, why in self._verdicts.degraded().items():
+                out[node_id] = f"{out[node_id]}; {why}" if node_id in out else why
+        return out
+
+    def _doctor_view(self, node_id: str) -> dict[str, Any] | None:
+        return None if self._verdicts is None else self._verdicts.view(node_id)
 
     def _bridge_stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -137,7 +151,7 @@ class FleetMonitor:
         return out
 
     @staticmethod
-    def _status(nv: NodeView, bridged: dict[str, Any]) -> NodeStatus:
+    def _status(nv: NodeView, bridged: dict[str, Any], doctor: dict[str, Any] | None = None) -> NodeStatus:
         info, load, cached = nv.node, nv.load, nv.total_blocks
         stats = bridged.get(info.node_id)
         return NodeStatus(
@@ -152,6 +166,7 @@ class FleetMonitor:
             cached_blocks=cached,
             bridge=_bridge_view(stats),
             cache_loop=metrics.CACHE_LOOP.view(info.node_id),
+            doctor=doctor,
         )
 
 

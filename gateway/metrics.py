@@ -68,6 +68,8 @@ class NodeCacheLoop(Collector):
     def __init__(self) -> None:
         self.routed: dict[str, list[int]] = {}  # node → [prompt tokens routed, tokens expected cached]
         self.engine: dict[str, tuple[float, float]] = {}  # node → (hit tokens, query tokens), as scraped
+        # node → [responses read, tokens kvgate expected cached on them, cached_tokens they reported]
+        self.observed: dict[str, list[int]] = {}
 
     def count(self, node_id: str, prompt_tokens: int, expected_cached: int) -> None:
         r = self.routed.get(node_id)
@@ -76,15 +78,27 @@ class NodeCacheLoop(Collector):
         r[0] += prompt_tokens
         r[1] += expected_cached
 
+    def observe(self, node_id: str, expected_cached: int, delivered_cached: int) -> None:
+        """One answer whose ``usage.prompt_tokens_details.cached_tokens`` kvgate read (ext_proc)."""
+        o = self.observed.get(node_id)
+        if o is None:
+            o = self.observed[node_id] = [0, 0, 0]
+        o[0] += 1
+        o[1] += expected_cached
+        o[2] += delivered_cached
+
     def view(self, node_id: str) -> dict[str, float] | None:
-        routed, engine = self.routed.get(node_id), self.engine.get(node_id)
-        if routed is None and engine is None:
+        routed, engine, observed = self.routed.get(node_id), self.engine.get(node_id), self.observed.get(node_id)
+        if routed is None and engine is None and observed is None:
             return None
         out: dict[str, float] = {}
         if routed is not None:
             out.update(routed_prompt_tokens=routed[0], expected_cached_tokens=routed[1])
         if engine is not None:
             out.update(engine_hit_tokens=engine[0], engine_query_tokens=engine[1])
+        if observed is not None:
+            out.update(observed_responses=observed[0], observed_expected_cached_tokens=observed[1],
+                       observed_cached_tokens=observed[2])  # fmt: skip
         return out
 
     def collect(self) -> list[Metric]:
@@ -98,6 +112,12 @@ class NodeCacheLoop(Collector):
                  "The node's own count of prompt tokens served from its prefix cache (vLLM vllm:prefix_cache_hits_total)"),
                 ("kvgate_engine_prefix_cache_query_tokens",
                  "The node's own count of prompt tokens looked up in its prefix cache (vLLM vllm:prefix_cache_queries_total)"),
+                ("kvgate_node_observed_responses",
+                 "Answers of the node whose usage.prompt_tokens_details.cached_tokens kvgate read (a sample, ext_proc)"),
+                ("kvgate_node_observed_expected_cached_tokens",
+                 "Prompt tokens kvgate expected the node to serve from cache, over the answers it read"),
+                ("kvgate_node_observed_cached_tokens",
+                 "cached_tokens the node reported in those answers (compare with kvgate_node_observed_expected_cached_tokens)"),
             )
         }
         for node, (prompt, expected) in sorted(self.routed.items()):
@@ -106,11 +126,21 @@ class NodeCacheLoop(Collector):
         for node, (hits, queries) in sorted(self.engine.items()):
             families["kvgate_engine_prefix_cache_hit_tokens"].add_metric([node], hits)
             families["kvgate_engine_prefix_cache_query_tokens"].add_metric([node], queries)
+        for node, (answers, expected, delivered) in sorted(self.observed.items()):
+            families["kvgate_node_observed_responses"].add_metric([node], answers)
+            families["kvgate_node_observed_expected_cached_tokens"].add_metric([node], expected)
+            families["kvgate_node_observed_cached_tokens"].add_metric([node], delivered)
         return list(families.values())
 
 
 CACHE_LOOP = NodeCacheLoop()
 REGISTRY.register(CACHE_LOOP)
+USAGE_UNREAD = Counter(
+    "kvgate_usage_unread",
+    "Sampled answers whose body ended without usage.prompt_tokens_details.cached_tokens (streams without "
+    "stream_options.include_usage, errors, engines without --enable-prompt-tokens-details)",
+    registry=REGISTRY,
+)
 ENGINE_SCRAPE_ERRORS = Counter(
     "kvgate_engine_scrape_errors", "Failed scrapes of a node's /metrics (engine cache counters)", ["node"], registry=REGISTRY
 )

@@ -41,6 +41,7 @@ from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
 from gateway.policy import make_policy
 from gateway.profile import load_profile
+from gateway.node_doctor import NodeVerdicts, PeriodicDoctor
 from gateway.node_health import NodeHealth
 from gateway.trusted_fleet import TrustedDirectory, TrustedFleet
 from tokenizer import PromptTokenizer
@@ -186,8 +187,9 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     )
     discovery = build_discovery(cfg, directory)  # None unless discovery.kubernetes.enabled
     health = NodeHealth()  # fed by ext_proc when Envoy sends response headers
+    verdicts = NodeVerdicts()  # the doctor's canary checks: a failing node is routed by load only
     core = RoutingCore(
-        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery), health), policy,
+        tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery), health, verdicts), policy,
         load_profile(cfg.policy.profile), limits_from_config(cfg),
         decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None, background=background,
     )
@@ -202,12 +204,18 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
     if cfg.ext_proc_enabled:
         grpc_server = build_server(
             core, f"{cfg.listen_host}:{cfg.ext_proc_port}", health,
-            caller_token=caller_token, prediction_headers=cfg.prediction.response_headers,
+            caller_token=caller_token, prediction_headers=cfg.prediction.response_headers, usage_sample=cfg.usage_sample,
         )
     scraper = None
     if cfg.fleet and cfg.engine_scrape_interval_s > 0:
         scraper = EngineCacheScraper([(n.node_id, n.address) for n in cfg.fleet], interval_s=cfg.engine_scrape_interval_s)
-    monitor = FleetMonitor(directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges)
+    doctor = None
+    if cfg.fleet and cfg.doctor.interval_s > 0:
+        doctor = PeriodicDoctor(cfg, tokenizer, verdicts, interval_s=cfg.doctor.interval_s,
+                                timeout_s=cfg.doctor.timeout_s, retry_s=cfg.doctor.retry_s)  # fmt: skip
+    monitor = FleetMonitor(
+        directory, configured=[(n.node_id, n.address) for n in cfg.fleet], bridges=lambda: bridges, verdicts=verdicts
+    )
     debug = None
     if decision_log is not None:
         debug = DebugApi(core, decision_log, monitor, token=cfg.admin.bearer_token() or "")
@@ -233,6 +241,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await authz.start(cfg.listen_host, cfg.ext_authz_port, max_body_bytes=cfg.limits.max_body_bytes)
         if scraper is not None:
             await scraper.start()
+        if doctor is not None:
+            await doctor.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
         log.info(
@@ -250,6 +260,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         await admin_runner.cleanup()
         if scraper is not None:
             await scraper.aclose()
+        if doctor is not None:
+            await doctor.aclose()
         if discovery is not None:
             await discovery.aclose()
         for bridge in bridges:

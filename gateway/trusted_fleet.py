@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 from prometheus_client import Counter
@@ -24,6 +25,9 @@ from prometheus_client import Counter
 from directory_client.types import Directory, DirectoryView
 from gateway.metrics import REGISTRY
 from gateway.node_health import NodeHealth
+
+if TYPE_CHECKING:
+    from gateway.node_doctor import NodeVerdicts
 
 log = logging.getLogger("kvgate.trusted_fleet")
 REFRESH_S = 1.0  # discovered nodes are read again at most this often (discovery itself lags seconds)
@@ -81,15 +85,21 @@ class TrustedFleet:
 
 class TrustedDirectory:
     """A ``Directory`` whose lookups show only the nodes of a ``TrustedFleet`` that are not ejected
-    for failing (``NodeHealth``); all else delegates."""
+    for failing (``NodeHealth``), with the cached prefixes of nodes failing the doctor's canary
+    check hidden (``NodeVerdicts``: routed by load only); all else delegates."""
 
-    def __init__(self, directory: Directory, fleet: TrustedFleet, health: NodeHealth | None = None) -> None:
+    def __init__(
+        self, directory: Directory, fleet: TrustedFleet, health: NodeHealth | None = None, verdicts: NodeVerdicts | None = None
+    ) -> None:
         self._directory = directory
         self._fleet = fleet
         self._health = health
+        self._verdicts = verdicts
 
     async def lookup(self, keys: np.ndarray) -> DirectoryView:
         view = self._fleet.vet(await self._directory.lookup(keys))
+        if self._verdicts is not None:
+            view = self._verdicts.vet(view)
         return view if self._health is None else self._health.vet(view)
 
     def __getattr__(self, name: str):

@@ -11,7 +11,10 @@ time read on the listed workers, decision latency from ``--attach-metrics`` if g
 
 ``--engine vllm`` runs the same workloads against real vLLM engines (``loadtest.real_vllm``): one
 per core by default, block size 32, caches emptied with ``POST /reset_prefix_cache``; hit rates
-come from vLLM's own ``cached_tokens``; busy time is unknown, so imbalance is by request count.
+come from vLLM's own ``cached_tokens``. vLLM's answers name no node, so the per-node figures come
+from each engine's ``/metrics`` (``per_node_engine``: requests finished, prefix-cache hit and query
+tokens and its hit rate, prefill and decode seconds); busy time is vLLM's prefill + decode
+seconds per request (request-seconds: concurrent requests each count).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from loadtest.policies import REPLAY_POLICIES, check_prerequisites, parse_polici
 from loadtest.prom import bucket_delta, counter_value, histogram_buckets, histogram_quantile
 from loadtest.report import print_results, wide_console, write_json, write_report
 from loadtest.runner import run_workload
-from loadtest.summary import summarize, ttft_samples_ms
+from loadtest.summary import imbalance, summarize, ttft_samples_ms
 from loadtest.workload_args import add_workload_args, build_workload
 from loadtest.workloads.base import Workload
 from tokenizer import PromptTokenizer
@@ -101,8 +104,13 @@ class PolicyRun:
 def measure(
     workload: Workload, url: str, *, label: str, args: argparse.Namespace, tokenizer: PromptTokenizer,
     block_size: int, busy_before: dict[str, float], busy_after_fn, metrics_url: str | None, nodes: Sequence[str],
+    engine_counters=None,
 ) -> PolicyRun:
-    """Run the workload once against ``url`` and turn the records into the policy's figures."""
+    """Run the workload once against ``url`` and turn the records into the policy's figures.
+
+    ``engine_counters``: per-node counters the engines keep (real vLLM names no node in its
+    answers, so its requests and hits per node come from there)."""
+    c0 = engine_counters() if engine_counters else {}
     m0 = scrape(metrics_url)
     run = asyncio.run(
         run_workload(workload, url, max_requests=args.max_requests, duration_s=args.duration,
@@ -114,7 +122,24 @@ def measure(
     fill_seen_tokens(run.records, tokenizer, block_size=block_size)
     summary = summarize(run.records, wall_s=run.wall_s, busy_s=busy, nodes=nodes,
                         decision_ms=decision_ms(m0, m1) if metrics_url else None)
+    if engine_counters:
+        per_node = _counter_deltas(c0, engine_counters())
+        summary["per_node_engine"] = per_node
+        if not any(summary["per_node_requests"].values()):  # the answers named no node
+            summary["per_node_requests"] = {n: int(c["requests"]) for n, c in per_node.items()}
+            if summary["imbalance_basis"] == "requests":
+                summary["imbalance"] = imbalance({n: c["requests"] for n, c in per_node.items()})
     return PolicyRun(summary, ttft_samples_ms(run.records))
+
+
+def _counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per node: each counter's growth, and the node's own prefix-cache hit rate over it."""
+    out = {}
+    for node, now in sorted(after.items()):
+        d = {k: v - before.get(node, {}).get(k, 0.0) for k, v in now.items()}
+        d["hit_rate"] = d["hit_tokens"] / d["query_tokens"] if d.get("query_tokens") else 0.0
+        out[node] = d
+    return out
 
 
 def _workload_info(w: Workload) -> dict[str, Any]:
@@ -186,7 +211,8 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
             with fleet.gateway(gw_spec.kind, lb_policy=gw_spec.lb_policy, policy=gw_spec.policy) as gw:
                 run = measure(workload, gw.url, label=name, args=args, tokenizer=tokenizer,
                               block_size=block_size, busy_before=fleet.busy_seconds(),
-                              busy_after_fn=fleet.busy_seconds, metrics_url=gw.metrics_url, nodes=fleet.node_ids)
+                              busy_after_fn=fleet.busy_seconds, metrics_url=gw.metrics_url, nodes=fleet.node_ids,
+                              engine_counters=getattr(fleet, "engine_counters", None))
             result["policies"][name] = run.summary
             samples[name] = run.samples_ms
     return result, samples

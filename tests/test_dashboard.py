@@ -168,6 +168,8 @@ class Fleet:
                 for n, s in self.engines.items()
             ],  # fmt: skip
             "admin": {"debug": True, "token": TOKEN},
+            "usage_sample": 1.0,  # every answer's cached_tokens is read (the cache-loop panel)
+            "engine_scrape_interval_s": 0.5,
         }
         for node, spec in self.engines.items():
             eventually(lambda: request(f"http://127.0.0.1:{spec['port']}/health")[0] == 200, timeout_s=60)
@@ -284,6 +286,18 @@ async def test_the_dashboard_shows_the_fleet_and_follows_traffic(fleet: Fleet, b
         assert {n["node_id"]: n["cached_blocks"] for n in snap["nodes"]}[owner_node] > 0
         await page.wait_for("Number(document.getElementById('chart-outcomes').dataset.total) >= 4", what="outcome bars")
         assert await page.js("document.querySelectorAll('#chart-outcomes rect.o-owner').length") >= 1
+
+        # predicted vs delivered, per node: kvgate's prediction beside what the engine reported
+        loop = {n["node_id"]: n["cache_loop"] for n in fleet.debug("/debug/nodes")["nodes"]}[owner_node]
+        assert loop["expected_cached_tokens"] > 0 and loop["observed_responses"] >= 3, loop
+        assert 0 < loop["observed_expected_cached_tokens"] <= loop["observed_cached_tokens"], loop
+        await page.wait_for(
+            f"document.querySelector('#cache-loop tr[data-node-id=\"{owner_node}\"] [data-field=\"read\"]').textContent.includes('÷')"
+            f" && document.querySelector('#cache-loop tr[data-node-id=\"{owner_node}\"] [data-field=\"engine\"]').textContent.includes('%')",
+            what="the owner's predicted vs delivered figures",
+        )  # fmt: skip
+        predicted = await page.js(f"document.querySelector('#cache-loop tr[data-node-id=\"{owner_node}\"] [data-field=\"predicted\"]').textContent")
+        assert int(predicted.replace(",", "")) > 0
         assert (await page.js("document.getElementById('tile-hit').textContent")).endswith("%")
 
         # a click opens the explanation: every candidate's cost, the chosen one marked, the reason

@@ -33,7 +33,7 @@ RELEASE, NAMESPACE = "kv", "llm"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 CALLER_TOKEN_PLACEHOLDER = "__KVGATE_CALLER_TOKEN__"  # the Envoy pod's init container writes the token here
-NO_SCHEMA = {"ServiceMonitor"}  # a CRD (prometheus-operator): checked by hand below
+NO_SCHEMA = {"ServiceMonitor", "PrometheusRule"}  # CRDs (prometheus-operator): checked by hand below
 
 VALUE_SETS: dict[str, dict[str, Any]] = {
     # chart defaults plus the one value every install must give
@@ -51,6 +51,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
                                 "port": "http", "eventsPort": "kv-events", "replayPort": None, "transferPort": 7000}},  # fmt: skip
         "envoy": {"fallback": ["vllm.engines.svc.cluster.local:8000"]},
         "serviceMonitor": {"enabled": True, "crdCheck": False, "labels": {"release": "prometheus"}},
+        "prometheusRule": {"enabled": True, "crdCheck": False, "labels": {"release": "prometheus"}},
     },
     "minimal": {
         "redis": {"mode": "none"},
@@ -169,6 +170,36 @@ def test_service_monitor_scrapes_the_admin_port(chart: Any) -> None:
     assert [s["metadata"]["name"] for s in selected] == [f"{RELEASE}-kvgate-gateway"]
     port_names = {p["name"] for p in selected[0]["spec"]["ports"]}
     assert any(e["port"] in port_names and e["path"] == "/metrics" for e in sm["spec"]["endpoints"])
+
+
+def test_prometheus_rule_alerts_on_metrics_kvgate_exports(chart: Any) -> None:
+    """Each alert's expression names only series kvgate's /metrics really has (a renamed metric
+    would make an alert silently never fire)."""
+    from prometheus_client import generate_latest
+
+    from gateway import metrics
+    from gateway.node_doctor import DOCTOR_DEGRADED
+    from workers.bridge import DEGRADED
+
+    docs = render(chart, VALUE_SETS["discovery-pods"])
+    rule = one(docs, "PrometheusRule", "")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"]}
+    assert set(alerts) == {"KvgateEngineDeliversLessThanPredicted", "KvgateAnswersCachedLessThanPredicted",
+                           "KvgateNodeRoutedByLoadOnly"}  # fmt: skip
+    metrics.CACHE_LOOP.count("helm-check", 10, 5)
+    metrics.CACHE_LOOP.engine["helm-check"] = (5.0, 10.0)
+    metrics.CACHE_LOOP.observe("helm-check", 5, 5)
+    DOCTOR_DEGRADED.labels("helm-check", "block size").set(0)
+    DEGRADED.labels("helm-check", "block_size").set(0)
+    exported = {line.split("{")[0].split(" ")[0] for line in generate_latest(metrics.REGISTRY).decode().splitlines()
+                if line and not line.startswith("#")}  # fmt: skip
+    exported |= {"kvgate_bridge_node_degraded"}  # the bridge's registry (prometheus_client's default)
+    for name, r in alerts.items():
+        named = set(re.findall(r"kvgate_[a-z_]+", r["expr"]))
+        assert named and named <= exported, (name, named - exported)
+        assert "0.8" in r["expr"] or name == "KvgateNodeRoutedByLoadOnly"
+        assert r["for"] == "15m" and "{{ $labels.node }}" in r["annotations"]["summary"]
 
 
 # --- Envoy calls what the gateway serves, and fails open ------------------------------------------

@@ -103,6 +103,44 @@
     err.textContent = snap.error || "";
   }
 
+  // --- predicted vs delivered -----------------------------------------------------------------
+
+  function doctorCell(d) {
+    if (!d) return el("span", { class: "muted" }, "–");
+    if (d.ok) return el("span", { class: "pill ok", title: d.detail }, "ok");
+    if (d.degraded) return el("span", { class: "pill bad", title: d.detail }, "degraded: " + d.check);
+    return el("span", { class: "pill", title: d.detail }, "not checked: " + d.check);
+  }
+
+  function renderCacheLoop(snap) {
+    // what kvgate predicted each node would serve from cache, beside what the node says it did:
+    // its own prefix-cache counters (scraped) and the cached_tokens of the answers kvgate read
+    const body = $("cache-loop").tBodies[0];
+    body.replaceChildren(
+      ...(snap.nodes || []).map((n) => {
+        const c = n.cache_loop || {};
+        const engine = c.engine_query_tokens
+          ? `${fmtInt(c.engine_hit_tokens)} ÷ ${fmtInt(c.engine_query_tokens)} (${fmtPct(c.engine_hit_tokens / c.engine_query_tokens)})`
+          : "–";
+        const read = c.observed_responses
+          ? `${fmtInt(c.observed_expected_cached_tokens)} ÷ ${fmtInt(c.observed_cached_tokens)}` +
+            (c.observed_cached_tokens ? ` (${fmtPct(c.observed_expected_cached_tokens / c.observed_cached_tokens)})` : "")
+          : "–";
+        return el(
+          "tr",
+          { "data-node-id": n.node_id, "data-degraded": String(Boolean(n.doctor && n.doctor.degraded)) },
+          el("td", { class: "mono" }, n.node_id),
+          el("td", {}, doctorCell(n.doctor)),
+          el("td", { class: "num", "data-field": "routed" }, c.routed_prompt_tokens === undefined ? "–" : fmtInt(c.routed_prompt_tokens)),
+          el("td", { class: "num", "data-field": "predicted" }, c.expected_cached_tokens === undefined ? "–" : fmtInt(c.expected_cached_tokens)),
+          el("td", { class: "num", "data-field": "engine" }, engine),
+          el("td", { class: "num", "data-field": "answers" }, fmtInt(c.observed_responses || 0)),
+          el("td", { class: "num", "data-field": "read" }, read)
+        );
+      })
+    );
+  }
+
   // --- time series -----------------------------------------------------------------------------
 
   function series(seconds) {
@@ -254,6 +292,7 @@
         getJson("/debug/decisions?limit=30"),
       ]);
       renderFleet(nodes);
+      renderCacheLoop(nodes);
       renderTimeline(timeline);
       renderDecisions(decisions);
       polls += 1;

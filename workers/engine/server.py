@@ -1,7 +1,7 @@
 """The simulated engine's HTTP face (aiohttp): vLLM's OpenAI API plus debug endpoints.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``stream``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics``, ``GET /debug/blocks``,
+``GET /v1/models``, ``POST /tokenize``, ``GET /health``, ``GET /metrics``, ``GET /debug/blocks``,
 ``POST /debug/reset`` (alias ``POST /reset_prefix_cache``, vLLM's name).
 
 With ``--debug-headers``, every answer to a generation request carries ``x-kvgate-node`` (this engine's node id) and
@@ -342,6 +342,20 @@ async def debug_blocks(request: web.Request) -> web.Response:
     )
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize``: a chat (``messages``) or a completion prompt, as this engine would see it."""
+    engine = request.app[ENGINE_KEY]
+    body = await _read_body(request)
+    check_model(body, engine.config.model)
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    try:
+        tp = await engine.tokenizer.tokenize_body_async(path, body)
+    except InvalidPrompt as e:
+        raise bad_request(str(e)) from None
+    tokens = [int(t) for t in tp.token_ids]
+    return _json({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens})
+
+
 async def debug_reset(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     try:
@@ -365,6 +379,7 @@ def create_app(engine: Engine) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/debug/blocks", debug_blocks)
