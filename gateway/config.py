@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from gateway.policy import POLICY_NAMES, Policy, make_policy, policy_options
+from gateway.policy.disagg import DEFAULT_TTFT_SLACK
 from gateway.profile import HardwareProfile, load_profile, shipped_profiles
 
 CONFIG_ENV = "KVGATE_CONFIG"
@@ -236,6 +237,10 @@ class PolicyConfig(_Section):
     )
     session_slack: float = Field(
         0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"
+    )
+    disaggregate: bool = Field(True, description="kvgate, in a fleet with prefill/decode roles: split a request over a pair when it pays")
+    split_ttft_slack: float = Field(
+        DEFAULT_TTFT_SLACK, ge=0, description="a split that spares running decodes a long prefill may delay the first token this fraction at most"
     )
 
     @field_validator("name")

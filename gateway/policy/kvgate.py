@@ -37,6 +37,7 @@ from gateway.policy.base import (
     no_nodes,
 )
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
+from gateway.policy.disagg import DEFAULT_TTFT_SLACK
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
 from gateway.profile import HardwareProfile
 from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingRequest
@@ -62,6 +63,8 @@ class KvgatePolicy:
         tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
         memory_value: float = DEFAULT_MEMORY_VALUE,
         session_slack: float = DEFAULT_SESSION_SLACK,
+        disaggregate: bool = True,
+        split_ttft_slack: float = DEFAULT_TTFT_SLACK,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -75,6 +78,8 @@ class KvgatePolicy:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
         if not session_slack >= 0:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
+        if not split_ttft_slack >= 0:
+            raise ValueError(f"split_ttft_slack must be >= 0, got {split_ttft_slack!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -84,6 +89,8 @@ class KvgatePolicy:
         self.tie_tolerance_s = float(tie_tolerance_s)
         self.memory_value = float(memory_value)
         self.session_slack = float(session_slack)
+        self.disaggregate = bool(disaggregate)  # may split a request over a (prefill, decode) pair (gateway.policy.disagg)
+        self.split_ttft_slack = float(split_ttft_slack)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
