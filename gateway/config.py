@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from gateway.policy import POLICY_NAMES, Policy, make_policy, policy_options
+from gateway.policy.disagg import DEFAULT_TTFT_SLACK
 from gateway.profile import HardwareProfile, load_profile, shipped_profiles
 
 CONFIG_ENV = "KVGATE_CONFIG"
@@ -242,6 +243,10 @@ class PolicyConfig(_Section):
     warmup_s: float = Field(180.0, ge=0, description="kvgate: a node that joined this recently is warmed by pulls (0: off)")
     warmup_credit: float = Field(0.5, ge=0, description="kvgate: a young node's pull is credited this fraction of a full prefill")
     warmup_link_share: float = Field(0.5, gt=0, le=1, description="kvgate: share of a young node's link its warm-up pulls may use")
+    disaggregate: bool = Field(True, description="kvgate, in a fleet with prefill/decode roles: split a request over a pair when it pays")
+    split_ttft_slack: float = Field(
+        DEFAULT_TTFT_SLACK, ge=0, description="a split that spares running decodes a long prefill may delay the first token this fraction at most"
+    )
 
     @field_validator("name")
     @classmethod

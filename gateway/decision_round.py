@@ -20,6 +20,7 @@ import xxhash
 from directory_client.types import DirectoryView, NodeLoad
 from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
+from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, RoutingRequest
 
@@ -105,10 +106,12 @@ def decide_round(
         view = DirectoryView(tuple(nv for nv in view.nodes if nv.node.node_id not in draining), view.answerable_blocks)
     roles = declares_roles(view)
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
-    if roles and isinstance(policy, KvgatePolicy):  # a cost-model policy prices splitting; balancers never split
+    if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split
         decision = split_or_not(
             decision, request, view, profile,
             answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
+            memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
+            ttft_slack=policy.split_ttft_slack,
         )  # fmt: skip
     node = decision.node
     if node is None:

@@ -17,6 +17,7 @@ import aiohttp
 
 from loadtest.records import RequestRecord
 from loadtest.workloads.base import RequestSpec, stream_fields
+from workers.pd_sidecar import PREFILLED_BY_HEADER  # a split answer: prefilled on another node
 
 NODE_HEADER = "x-kvgate-node"
 CACHED_HEADER = "x-kvgate-cached-tokens"
@@ -44,6 +45,7 @@ async def send(
             async with session.post(base_url + spec.path, json=body) as resp:
                 rec.status = resp.status
                 rec.node = resp.headers.get(NODE_HEADER, "")
+                rec.split = PREFILLED_BY_HEADER in resp.headers
                 header_cached = resp.headers.get(CACHED_HEADER)
                 if resp.status != 200:
                     text = await resp.text()

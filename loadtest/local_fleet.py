@@ -29,6 +29,7 @@ from pathlib import Path
 import yaml
 
 from gateway.envoy_config import EnvoySettings, render_yaml
+from loadtest.pd_fleet import PdFleet
 from loadtest.policies import check_prerequisites
 from loadtest.procs import ManagedProcess, envoy_binary, free_port, free_ports, python_module
 from loadtest.prom import counter_value
@@ -44,18 +45,24 @@ class FleetOptions:
     directory_url: str = "memory://"
     max_body_bytes: int = 8 << 20
     extra_worker_args: tuple[str, ...] = ()
+    roles: tuple[int, int] | None = None  # (prefill, decode) engines: a disaggregated fleet (loadtest.pd_fleet)
+    link: str = "tcp"  # the link KV transfers are modelled and priced over (with roles)
 
 
 @dataclass(frozen=True)
 class Worker:
     node_id: str
-    port: int
+    port: int  # the engine's
     events_port: int
     replay_port: int
+    role: str = "both"
+    transfer_port: int = 0  # its transfer agent (disaggregated fleets)
+    sidecar_port: int = 0  # a decode node's pd-sidecar, in front of the engine
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """Where the gateway routes: the sidecar of a decode node, else the engine."""
+        return f"127.0.0.1:{self.sidecar_port or self.port}"
 
     @property
     def url(self) -> str:
@@ -103,6 +110,7 @@ class LocalFleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.workers: list[Worker] = []
         self._procs: list[ManagedProcess] = []
+        self.pd = PdFleet(options, self.workdir) if options.roles else None
 
     # -- engines -----------------------------------------------------------------------------
 
@@ -116,6 +124,8 @@ class LocalFleet:
                     break
             if pending:
                 raise RuntimeError(f"engines {', '.join(f'n{i + 1}' for i in pending)} did not start; logs in {self.workdir}")
+            if self.pd is not None:
+                self.workers = self.pd.start_sidecars(self.workers, self._procs)
         except BaseException:
             self.close()
             raise
@@ -126,9 +136,11 @@ class LocalFleet:
         """Start engines ``indices``; returns those whose process died before listening."""
         o = self.options
         started: list[tuple[int, Worker, ManagedProcess]] = []
-        ports = free_ports(3 * len(indices))
+        ports = free_ports(4 * len(indices))
         for j, i in enumerate(indices):
-            w = Worker(f"n{i + 1}", *ports[3 * j : 3 * j + 3])
+            w = Worker(f"n{i + 1}", *ports[4 * j : 4 * j + 3])
+            if self.pd is not None:
+                w = self.pd.with_role(w, i, ports[4 * j + 3])
             args = [
                 "worker", "--host", "127.0.0.1", "--port", str(w.port), "--model", o.model,
                 "--profile", o.profile, "--time-scale", str(o.time_scale), "--node-id", w.node_id,
@@ -136,6 +148,7 @@ class LocalFleet:
                 "--replay-endpoint", f"tcp://127.0.0.1:{w.replay_port}",
                 "--debug-headers",  # the client attributes answers to nodes
                 *(["--kv-blocks", str(o.kv_blocks)] if o.kv_blocks else []),
+                *(self.pd.worker_args(w) if self.pd is not None else []),
                 *o.extra_worker_args,
             ]
             p = python_module(f"worker-{w.node_id}", "gateway.cli", args, self.workdir)
@@ -190,12 +203,14 @@ class LocalFleet:
         return {}
 
     @contextmanager
-    def gateway(self, kind: str, *, lb_policy: str = "", policy: str = "") -> Iterator[Gateway]:
+    def gateway(
+        self, kind: str, *, lb_policy: str = "", policy: str = "", options: dict[str, object] | None = None
+    ) -> Iterator[Gateway]:
         """Bring up the gateway ``kind`` in front of the engines; stop it on exit."""
         if kind == "envoy":
             gw = self._envoy(ext_proc=False, lb_policy=lb_policy, ext_proc_port=0, name=f"envoy-{lb_policy.lower()}")
         elif kind == "kvgate":
-            gw = self._kvgate(policy)
+            gw = self._kvgate(policy, options or {})
         elif kind == "sglang":
             gw = self._sglang(policy or "cache_aware")
         else:
@@ -209,7 +224,7 @@ class LocalFleet:
     def _envoy(self, *, ext_proc: bool, lb_policy: str, ext_proc_port: int, name: str) -> Gateway:
         listen = free_port()
         settings = EnvoySettings(
-            fleet=[w.address for w in self.workers],
+            fleet=[w.address for w in self.workers if w.role != "prefill"],  # a prefill node never serves a whole request
             ext_proc_address=f"127.0.0.1:{ext_proc_port or 1}",
             listen_address=f"127.0.0.1:{listen}",
             admin_address=f"127.0.0.1:{free_port()}",
@@ -232,7 +247,7 @@ class LocalFleet:
             raise
         return Gateway("envoy", f"http://127.0.0.1:{listen}", procs=[p])
 
-    def _kvgate(self, policy: str) -> Gateway:
+    def _kvgate(self, policy: str, options: dict[str, object]) -> Gateway:
         o = self.options
         ext_proc, admin = free_port(), free_port()
         config = {
@@ -252,17 +267,19 @@ class LocalFleet:
                     "address": w.address,
                     "events_endpoint": f"tcp://127.0.0.1:{w.events_port}",
                     "replay_endpoint": f"tcp://127.0.0.1:{w.replay_port}",
+                    **({"role": w.role, "transfer_endpoint": f"127.0.0.1:{w.transfer_port}"} if w.transfer_port else {}),
                 }
                 for w in self.workers
             ],
-            "policy": {"name": policy, "profile": o.profile},
+            "policy": {"name": policy, "profile": o.profile, **({"link": o.link} if o.roles else {}), **options},
             "limits": {"max_body_bytes": o.max_body_bytes},
             "log": {"level": "WARNING"},
             **self.serve_settings(),
         }
-        cfg = self.workdir / f"kvgate-{policy}.yaml"
+        label = policy if not options else f"{policy}-" + "-".join(f"{k}={v}" for k, v in options.items())
+        cfg = self.workdir / f"kvgate-{label}.yaml"
         cfg.write_text(yaml.safe_dump(config))
-        serve = python_module(f"kvgate-{policy}", "gateway.cli", ["serve", "--config", str(cfg)], self.workdir)
+        serve = python_module(f"kvgate-{label}", "gateway.cli", ["serve", "--config", str(cfg)], self.workdir)
         try:
             serve.wait_port(admin, timeout_s=60)
             n = len(self.workers)
@@ -270,7 +287,7 @@ class LocalFleet:
                 lambda: json.loads(http(f"http://127.0.0.1:{admin}/readyz")[1]).get("live_nodes") == n,
                 timeout_s=60, what=f"kvgate sees {n} live nodes",
             )
-            envoy = self._envoy(ext_proc=True, lb_policy="LEAST_REQUEST", ext_proc_port=ext_proc, name=f"envoy-{policy}")
+            envoy = self._envoy(ext_proc=True, lb_policy="LEAST_REQUEST", ext_proc_port=ext_proc, name=f"envoy-{label}")
         except BaseException:
             serve.stop()
             raise

@@ -6,6 +6,7 @@ In ``replay`` every policy is a real gateway in front of the same engines:
 |---|---|
 | ``round_robin``, ``least_request`` | Envoy's own balancing (no ext_proc): what a fleet gets without kvgate |
 | ``prefix_only``, ``kvgate``, ``kvgate_nopull`` | Envoy + ext_proc + ``kvgate serve`` with that policy |
+| ``kvgate_aggregated`` | the same with ``kvgate`` told never to split (``disaggregate: false``): a P:D fleet's aggregated baseline |
 | ``sglang`` | the ``sglang-router`` package, ``--policy cache_aware`` (a real peer) |
 
 In ``simulate`` the names are ``gateway.policy.POLICY_NAMES`` (the same classes ``kvgate serve``
@@ -21,7 +22,10 @@ import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from gateway.policy import POLICY_NAMES
+from typing import Any
+
+from gateway.policy import POLICY_NAMES, Policy, make_policy
+from gateway.policy.kvgate import KvgatePolicy
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,10 @@ class ReplayGateway:
     kind: str  # envoy | kvgate | sglang
     lb_policy: str = ""
     policy: str = ""
+    options: tuple[tuple[str, Any], ...] = ()  # kvgate: policy options in its config
+
+
+KVGATE_AGGREGATED = "kvgate_aggregated"  # kvgate that never splits: the aggregated baseline of a P:D fleet
 
 
 REPLAY_POLICIES: dict[str, ReplayGateway] = {
@@ -37,6 +45,7 @@ REPLAY_POLICIES: dict[str, ReplayGateway] = {
     "prefix_only": ReplayGateway("kvgate", policy="prefix_only"),
     "kvgate": ReplayGateway("kvgate", policy="kvgate"),
     "kvgate_nopull": ReplayGateway("kvgate", policy="kvgate_nopull"),
+    KVGATE_AGGREGATED: ReplayGateway("kvgate", policy="kvgate", options=(("disaggregate", False),)),
     "sglang": ReplayGateway("sglang", policy="cache_aware"),
 }
 
@@ -44,7 +53,20 @@ SGLANG_MISSING = "the sglang peer needs the sglang-router package: pip install -
 
 ORACLE = "oracle"
 ORACLE_POOL = "oracle_pool"
-SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, ORACLE, ORACLE_POOL)
+SIM_POLICIES: tuple[str, ...] = (*POLICY_NAMES, KVGATE_AGGREGATED, ORACLE, ORACLE_POOL)
+
+
+def sim_policy(name: str, link: str | None, extra: dict[str, Any] | None = None) -> Policy:
+    """The policy the simulator runs for ``name``: the oracles route as ``least_request``; the
+    cost-model policies price transfers over ``link`` when nodes have transfer agents; ``extra``
+    are further policy options (e.g. warm-up off for the no-drain baseline)."""
+    if name in (ORACLE, ORACLE_POOL):
+        return make_policy("least_request")
+    options: dict[str, Any] = {"link": link} if link and name in ("kvgate", "kvgate_nopull", KVGATE_AGGREGATED) else {}
+    options.update(extra or {})
+    if name == KVGATE_AGGREGATED:
+        return KvgatePolicy(name=KVGATE_AGGREGATED, disaggregate=False, **options)
+    return make_policy(name, **options)
 
 
 def parse_policies(text: str, allowed: tuple[str, ...] | list[str]) -> list[str]:

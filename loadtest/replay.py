@@ -36,6 +36,7 @@ from rich.markup import escape
 from gateway.profile import load_profile
 from loadtest.accounting import fill_seen_tokens
 from loadtest.local_fleet import FleetOptions, LocalFleet, http, wait_until
+from loadtest.pd_fleet import parse_roles
 from loadtest.policies import REPLAY_POLICIES, check_prerequisites, parse_policies
 from loadtest.prom import bucket_delta, counter_value, histogram_buckets, histogram_quantile
 from loadtest.report import print_results, wide_console, write_json, write_report
@@ -70,6 +71,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     f.add_argument("--profile", default="llama-3.1-8b-h100", help="hardware profile of engines and cost model")
     f.add_argument("--time-scale", type=float, default=1.0, help="engines' real seconds per modelled second")
     f.add_argument("--kv-blocks", type=int, default=None, help="engines' KV capacity in blocks")
+    f.add_argument("--roles", default=None, metavar="P:D",
+                   help="disaggregated fleet (sim engines): P prefill and D decode engines, a pd-sidecar on each decode one")
+    f.add_argument("--link", choices=("tcp", "rdma"), default="tcp",
+                   help="with --roles: the link KV transfers are modelled (engines) and priced (kvgate) over")
     f.add_argument("--directory", default="memory://", help="kvgate's directory: memory:// or redis://host:port/db")
     f.add_argument("--workdir", default=None, help="logs and configs (default: a temporary directory)")
     f.add_argument("--attach", default=None, help="send traffic to this URL instead of starting a fleet")
@@ -185,10 +190,14 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvgate-loadtest-"))
     nodes = args.nodes or (8 if args.engine == "sim" else os.cpu_count() or 1)
+    roles = parse_roles(args.roles, nodes)
+    if roles and args.engine != "sim":
+        raise ValueError("--roles runs simulated engines (for vLLM's NIXL connector see docs/disaggregated.md)")
     opts = FleetOptions(nodes=nodes, model=args.model, profile=args.profile, time_scale=args.time_scale,
-                        kv_blocks=args.kv_blocks, directory_url=args.directory)
+                        kv_blocks=args.kv_blocks, directory_url=args.directory, roles=roles, link=args.link)
     result["fleet"] = {"engine": args.engine, "nodes": nodes, "profile": args.profile, "time_scale": args.time_scale,
-                       "kv_blocks": args.kv_blocks, "directory": args.directory, "workdir": str(workdir)}
+                       "kv_blocks": args.kv_blocks, "directory": args.directory, "workdir": str(workdir),
+                       "roles": args.roles or "all both", **({"link": args.link} if roles else {})}
     block_size = profile.block_size
     if args.engine == "vllm":
         from loadtest.real_vllm.fleet import VllmFleet, VllmOptions
@@ -208,7 +217,8 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
                 result["skipped"][name] = "sglang-router rejects token-ID prompts (HTTP 422): it routes on text"
                 continue
             fleet.reset_caches()
-            with fleet.gateway(gw_spec.kind, lb_policy=gw_spec.lb_policy, policy=gw_spec.policy) as gw:
+            with fleet.gateway(gw_spec.kind, lb_policy=gw_spec.lb_policy, policy=gw_spec.policy,
+                               options=dict(gw_spec.options)) as gw:
                 run = measure(workload, gw.url, label=name, args=args, tokenizer=tokenizer,
                               block_size=block_size, busy_before=fleet.busy_seconds(),
                               busy_after_fn=fleet.busy_seconds, metrics_url=gw.metrics_url, nodes=fleet.node_ids,

@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from gateway.profile import load_profile
+from loadtest.pd_fleet import parse_roles
 from loadtest.policies import SIM_POLICIES, parse_policies
 from loadtest.replay import add_run_args, emit
 from loadtest.report import wide_console
@@ -53,16 +54,6 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="drain removed nodes first (also per policy: kvgate+drain); kvgate+nowarm turns warm-up off")
     f.add_argument("--block-size", type=int, default=None,
                    help="override the profile's block size (e.g. 512 for the whole Mooncake trace)")
-
-
-def _roles(text: str | None) -> tuple[int, int] | None:
-    """``P:D`` → (P, D); the simulator checks they fit the fleet."""
-    if text is None:
-        return None
-    p, sep, d = text.partition(":")
-    if not sep or not p.isdigit() or not d.isdigit():
-        raise ValueError(f"--roles {text!r} is not P:D (e.g. 2:6)")
-    return int(p), int(d)
 
 
 def _profile(args: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -105,7 +96,7 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
             policy=base, nodes=args.nodes, scale=scale, drain=drain or args.drain == "on",
             policy_options={} if warm or base != "kvgate" else {"warmup_s": 0.0}, profile=profile, capacity_blocks=args.kv_blocks, view=args.view,
             pull_link=None if args.pulls == "off" else args.pulls, max_requests=args.max_requests,
-            duration_s=args.duration, roles=_roles(args.roles),
+            duration_s=args.duration, roles=parse_roles(args.roles),
         )
         sim = Simulator(workload, cfg, tokenizer)
         with Progress(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -7,12 +7,13 @@ import argparse
 from loadtest.workloads.base import Workload
 from loadtest.workloads.chat import chat_workload
 from loadtest.workloads.memory_bound import agentic_workload, memchat_workload
+from loadtest.workloads.mixed import mixed_workload
 from loadtest.workloads.shared_prefix import shared_prefix_workload
 from loadtest.workloads.trace import load_trace, trace_workload
 from tokenizer import PromptTokenizer
 
-WORKLOADS = ("chat", "shared-prefix", "trace", "memchat", "agentic")
-TOKEN_ID_WORKLOADS = ("trace", "memchat", "agentic")  # built without the tokenizer
+WORKLOADS = ("chat", "shared-prefix", "trace", "memchat", "agentic", "mixed")
+TOKEN_ID_WORKLOADS = ("trace", "memchat", "agentic", "mixed")  # built without the tokenizer
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -22,9 +23,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--rate", type=float, default=None,
                    help="arrivals/s: new chats (chat, default 0.5; memchat, default 2), prompts (shared-prefix, "
-                        "default 4) or agents (agentic, default 2)")
+                        "default 4), agents (agentic, default 2) or sessions (mixed, default 6)")
     g.add_argument("--sessions", type=int, default=None,
-                   help="memchat: conversations (default 3000); agentic: agents (default 2000)")
+                   help="memchat: conversations (default 3000); agentic: agents (default 2000); mixed: sessions (default 400)")
     g.add_argument("--max-tokens", type=int, default=96, help="reply budget per request (chat, shared-prefix)")
     g.add_argument("--conversations", type=int, default=32, help="chat: number of conversations")
     g.add_argument("--turns", type=int, default=5, help="chat: turns per conversation")
@@ -47,6 +48,9 @@ def build_workload(args: argparse.Namespace, tokenizer: PromptTokenizer | None) 
         count = {"conversations" if args.workload == "memchat" else "agents": args.sessions} if args.sessions else {}
         rate = {"rate_per_s": args.rate} if args.rate else {}
         return make(model=args.model, max_tokens=args.max_tokens, seed=args.seed, **count, **rate)
+    if args.workload == "mixed":
+        sized = {"sessions": args.sessions} if args.sessions else {}
+        return mixed_workload(model=args.model, seed=args.seed, **sized, **({"rate_per_s": args.rate} if args.rate else {}))
     if args.workload == "trace":
         records = load_trace(args.trace, limit=args.trace_limit)
         return trace_workload(

@@ -39,15 +39,17 @@ def request(prompt: int) -> RoutingRequest:
     return RoutingRequest(model="m", prompt_tokens=prompt, total_blocks=prompt // BS, block_size=BS, affinity=7)
 
 
-def decide(nodes: list[NodeView], prompt: int, answer: int, policy: str = "kvgate"):
-    return decide_round(make_policy(policy), request(prompt), DirectoryView(tuple(nodes)), PROFILE, now=0.0, answer_tokens=answer)
+def decide(nodes: list[NodeView], prompt: int, answer: int, policy: str = "kvgate", **options):
+    return decide_round(make_policy(policy, **options), request(prompt), DirectoryView(tuple(nodes)), PROFILE, now=0.0,
+                        answer_tokens=answer)
 
 
 def test_a_long_uncached_prompt_with_a_long_answer_on_a_busy_mixed_fleet_is_split() -> None:
-    # two mixed nodes decoding 40 answers each, one idle prefill node, one decode node with 8
+    # two mixed nodes decoding 40 answers each, one idle prefill node, one decode node with 8; over
+    # RDMA the prompt's KV crosses in 40 ms, so its first token comes within 10% of the aggregated one
     fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both", inflight=40, queued=2000),
              node(3, "prefill"), node(4, "decode", inflight=8)]
-    rnd = decide(fleet, 16_000, 1024)
+    rnd = decide(fleet, 16_000, 1024, link="rdma")
     plan = rnd.decision.prefill
     assert plan is not None, rnd.decision.reason
     assert (plan.node_id, plan.address) == ("p3", "10.0.0.3:8000")
@@ -55,6 +57,50 @@ def test_a_long_uncached_prompt_with_a_long_answer_on_a_busy_mixed_fleet_is_spli
     assert plan.prefill_tokens == 16_000 and rnd.prefill_tokens == 0  # the decode node computes nothing
     assert 0 < plan.ready_s < plan.first_token_s == rnd.ttft_s < rnd.service_s
     assert rnd.decision.reason.startswith("split p3->d4") and "runner-up aggregated" in rnd.decision.reason
+    aggregated = decide(fleet, 16_000, 1024, link="rdma", disaggregate=False)  # kvgate told never to split
+    assert aggregated.decision.prefill is None
+    assert plan.first_token_s <= aggregated.ttft_s * 1.1 + 0.001
+
+
+def test_a_split_that_would_delay_the_first_token_beyond_the_slack_is_not_made() -> None:
+    # the same fleet over TCP: 16k tokens of KV take 0.67 s, nearly doubling the first token
+    fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both", inflight=40, queued=2000),
+             node(3, "prefill"), node(4, "decode", inflight=8)]
+    rnd = decide(fleet, 16_000, 1024, link="tcp")
+    assert rnd.decision.prefill is None and "not split: no pair gives a first token within" in rnd.decision.reason
+    # with no slack even RDMA's 40 ms is too much when nothing queues: the first token never comes later
+    assert decide(fleet, 16_000, 1024, link="rdma", split_ttft_slack=0.0).decision.prefill is None
+
+
+def test_a_split_that_gives_a_sooner_first_token_is_made_without_slack() -> None:
+    # every decode node has a long prefill queue; the prefill node is idle
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=4, queued=40_000), node(3, "decode", inflight=4, queued=40_000)]
+    rnd = decide(fleet, 8_000, 256, link="rdma", split_ttft_slack=0.0)
+    plan = rnd.decision.prefill
+    assert plan is not None and plan.node_id == "p1", rnd.decision.reason
+    whole = decide(fleet, 8_000, 256, link="rdma", disaggregate=False)
+    assert plan.first_token_s < whole.ttft_s
+
+
+def test_a_short_prompt_moves_only_for_a_sooner_first_token() -> None:
+    # its prefill stalls nobody; a less busy decode node alone is no reason to pay a transfer
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=60), node(3, "decode", inflight=2)]
+    rnd = decide(fleet, 200, 1500, link="rdma")
+    assert rnd.decision.prefill is None, rnd.decision.reason
+
+
+def test_the_decode_node_pays_for_the_memory_the_transferred_kv_takes() -> None:
+    # two equally idle decode nodes, one with its memory full: the prompt's KV evicts others' blocks there
+    def decoder(i: int, held: int) -> NodeView:
+        info = NodeInfo(f"d{i}", f"10.0.0.{i}:8000", f"10.0.0.{i}:9100", role="decode", capacity_blocks=4000)
+        return NodeView(info, 0, Tier.GPU, NodeLoad(30, 0), held)
+
+    busy_both = NodeView(NodeInfo("b9", "10.0.0.9:8000", "", role="both"), 0, Tier.GPU, NodeLoad(40, 0))
+    for full, free in ((2, 3), (3, 2)):
+        fleet = [node(1, "prefill"), decoder(full, 4000), decoder(free, 0), busy_both]
+        rnd = decide(fleet, 16_000, 1024, link="rdma")
+        assert rnd.decision.prefill is not None, rnd.decision.reason
+        assert rnd.decision.node is not None and rnd.decision.node.node_id == f"d{free}", rnd.decision.reason
 
 
 def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
@@ -63,7 +109,7 @@ def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
     rnd = decide(fleet, prompt, 1024)
     assert rnd.decision.prefill is None
     assert rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
-    assert "not split: aggregated d2" in rnd.decision.reason and "runner-up split p1->" in rnd.decision.reason
+    assert "not split: no pair gives a first token within" in rnd.decision.reason  # 4 blocks to prefill here
 
 
 @pytest.mark.parametrize("decoding", [0, 30])
@@ -132,7 +178,7 @@ async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of
     for info in (NodeInfo("p1", "127.0.0.1:9001", role="prefill"), NodeInfo("d1", "127.0.0.1:9002", role="decode")):
         await directory.register_node(info)
     busy = [await directory.reserve("d1", 0) for _ in range(24)]  # d1 decodes 24 answers
-    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), PROFILE, RoutingLimits(models=frozenset(["m"])))
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate", link="rdma"), PROFILE, RoutingLimits(models=frozenset(["m"])))
     text = "The quarterly report on harbour traffic. " * 1500
     result = await core.route("/v1/completions", json.dumps({"model": "m", "prompt": text, "max_tokens": 2048}).encode())
     assert result.kind == "routed" and result.decision is not None

@@ -155,3 +155,35 @@ def test_agentic_prompts_follow_zipf_popularity() -> None:
     steps = np.diff(s.lengths)
     assert s.lengths[0] >= 6000 and ((steps >= 50) & (steps <= 400)).all()  # long prompt, short steps
     assert len(s.segments) * SEGMENT_TOKENS >= s.lengths[-1]
+
+
+def test_mixed_workload_mixes_documents_writers_and_chats() -> None:
+    from loadtest.workloads.mixed import mixed_workload
+
+    w = mixed_workload(sessions=300, seed=5)
+    assert w.name == "mixed" and w.token_id_prompts
+    by_kind: dict[str, list] = {"doc": [], "gen": [], "chat": []}
+    for s in w.sessions:
+        by_kind[s.session_id.split("-")[0]].append(s)
+    assert all(len(v) >= 50 for v in by_kind.values())  # 0.3/0.4/0.3 of 300
+    for s in by_kind["doc"]:  # long prompts, short answers, one turn
+        spec = s.request(1, [])
+        assert s.turns == 1 and len(spec.prompt_ids) >= 8000 and spec.body["max_tokens"] <= 64
+    for s in by_kind["gen"]:  # short prompts, long answers
+        spec = s.request(1, [])
+        assert s.turns == 1 and len(spec.prompt_ids) <= 600 and spec.body["max_tokens"] >= 400
+    firsts = [s.request(1, []).prompt_ids for s in by_kind["chat"][:2]]
+    assert np.array_equal(firsts[0][:1024], firsts[1][:1024])  # chats share the system prompt
+    for s in by_kind["chat"]:  # and each turn extends the last one
+        assert 3 <= s.turns <= 6
+        prev = s.request(1, []).prompt_ids
+        for turn in range(2, s.turns + 1):
+            cur = s.request(turn, []).prompt_ids
+            assert np.array_equal(cur[: len(prev)], prev) and s.think_s(turn) >= 1.0
+            prev = cur
+    again = mixed_workload(sessions=300, seed=5)
+    assert [s.session_id for s in again.sessions] == [s.session_id for s in w.sessions]
+    assert mixed_workload(sessions=300, seed=6).sessions[0].request(1, []).prompt_ids.tolist() != \
+        w.sessions[0].request(1, []).prompt_ids.tolist()
+    with pytest.raises(ValueError, match="shares"):
+        mixed_workload(shares=(0, 0, 0))

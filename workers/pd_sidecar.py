@@ -31,6 +31,7 @@ from gateway.envoy_config import PREFILLER_HEADER
 log = logging.getLogger("kvgate.pd_sidecar")
 
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+PREFILLED_BY_HEADER = "x-kvgate-prefilled-by"  # on the answer of a split request: the node that prefilled it
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive"})
 
 
@@ -104,6 +105,7 @@ class Sidecar:
         raw = await request.read()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() != PREFILLER_HEADER}
         prefiller = request.headers.get(PREFILLER_HEADER, "").strip()
+        answer_headers: dict[str, str] = {}
         if prefiller and request.method == "POST" and request.path in GENERATION_PATHS:
             try:
                 body = json.loads(raw)
@@ -113,10 +115,13 @@ class Sidecar:
                 params = await self.prefill(prefiller, request.path, body, {"content-type": "application/json"})
                 if params is not None:
                     raw = json.dumps({**body, "kv_transfer_params": params}).encode()
-        return await self.forward(request, raw, headers)
+                    answer_headers[PREFILLED_BY_HEADER] = prefiller
+        return await self.forward(request, raw, headers, answer_headers)
 
-    async def forward(self, request: web.Request, raw: bytes, headers: dict[str, str]) -> web.StreamResponse:
-        """The request to the local engine; its answer streamed back as it comes."""
+    async def forward(
+        self, request: web.Request, raw: bytes, headers: dict[str, str], answer_headers: dict[str, str] | None = None
+    ) -> web.StreamResponse:
+        """The request to the local engine; its answer streamed back as it comes (plus ``answer_headers``)."""
         url = f"{self.engine}{request.path_qs}"
         try:
             upstream = await self.session.request(request.method, url, data=raw, headers=headers)
@@ -125,7 +130,7 @@ class Sidecar:
         async with upstream:
             resp = web.StreamResponse(
                 status=upstream.status,
-                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
+                headers={**{k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS}, **(answer_headers or {})},
             )
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():

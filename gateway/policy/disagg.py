@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import replace
+from typing import NamedTuple
 
 from directory_client.types import DirectoryView, NodeView
 from gateway.policy.cost_model import TtftEstimator
+from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
 from gateway.types import Decision, PrefillPlan, RoutingRequest
+
+DEFAULT_TTFT_SLACK = 0.1  # a split sparing running decodes a long prefill may delay the first token by 10%
 
 
 def declares_roles(view: DirectoryView) -> bool:
@@ -59,9 +63,14 @@ def split_or_not(
     answer_tokens: int,
     link: str,
     tie_tolerance_s: float = 0.001,
+    memory: MemoryPricing | None = None,
+    ttft_slack: float = DEFAULT_TTFT_SLACK,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
+    A pair qualifies only if its first token comes no later than ``(1 + ttft_slack)`` times the
+    aggregated estimate (plus the tie tolerance). With ``memory``, each side also pays for the
+    blocks it adds: the prefill node keeps the prompt's KV, the decode node receives all of it.
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures.
     """
@@ -82,41 +91,51 @@ def split_or_not(
             return 0.0
         return nv.load.inflight * (prefill - hidden_s)
 
+    def memory_s(nv: NodeView) -> float:
+        return memory.price(nv, request.total_blocks)[1] if memory is not None else 0.0
+
     by_id = {nv.node.node_id: nv for nv in view.nodes}
     agg_nv = by_id.get(chosen.node_id)
     own = next((c for c in decision.candidates if c.node_id == chosen.node_id), None)
     if agg_nv is None or own is None:
         return decision
-    aggregated = own.total_s + decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s)
+    aggregated = own.score + decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s)
 
-    prefill_side: list[tuple[float, int, float, int]] = []  # (cost, index, time to handoff, tokens computed)
-    decode_side: list[tuple[float, int, float]] = []  # (cost, index, queue)
+    prefill_side: list[_Side] = []
+    decode_side: list[_Side] = []
     for i, nv in enumerate(view.nodes):
         role = nv.node.role
         if role != "decode":
             cached = est.cached_tokens(nv.cached_blocks)
             prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier)
             ready = est.queue_s(nv.load) + prefill
-            prefill_side.append((ready + stall_s(nv, prefill), i, ready, max(n - cached, 1)))
+            prefill_side.append(_Side(ready, stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
         if role != "prefill":
-            decode_side.append((est.queue_s(nv.load) + decode_s(nv), i, est.queue_s(nv.load)))
-    best_p = heapq.nsmallest(2, prefill_side)
-    best_d = heapq.nsmallest(2, decode_side)
-    pairs = [(p, d) for p in best_p for d in best_d if p[1] != d[1]]
-    if not pairs:
-        return decision
+            busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
+            drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed
+            decode_side.append(_Side(drain, decode_s(nv) + memory_s(nv), i, busy=busy))
     transfer = est.transfer_s(n)
-    p, d = min(pairs, key=lambda pd: pd[0][0] + pd[1][0])
-    split = p[0] + transfer + d[0]
-    p_nv, d_nv = view.nodes[p[1]], view.nodes[d[1]]
+    last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself
+    # Splitting spares the decodes only a prefill that would stall them; any other split must
+    # give a sooner first token (else it only moves the answer to a less busy decode node).
+    stalls = stall_s(agg_nv, own.prefill_s) > 0
+    latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
+    best = _best_pair(prefill_side, decode_side, transfer, last_token, latest_first_token)
+    if best is None:
+        return replace(decision, reason=f"{decision.reason}; not split: no pair gives a first token within"
+                                        f" {latest_first_token * 1e3:.1f}ms")
+    p, d, first_token = best
+    split = first_token + p.extra + d.extra
+    p_nv, d_nv = view.nodes[p.index], view.nodes[d.index]
     split_line = (
-        f"split {p_nv.node.node_id}->{d_nv.node.node_id} {split * 1e3:.1f}ms"
-        f" (prefill side {p[0] * 1e3:.1f}ms, transfer {transfer * 1e3:.1f}ms over {link}, decode side {d[0] * 1e3:.1f}ms)"
+        f"split {p_nv.node.node_id}->{d_nv.node.node_id} {split * 1e3:.1f}ms, first token {first_token * 1e3:.1f}ms"
+        f" (prefill done {p.wait * 1e3:.1f}ms, transfer {transfer * 1e3:.1f}ms over {link}, decode node free"
+        f" {d.wait * 1e3:.1f}ms; then {d.extra * 1e3:.1f}ms decoding)"
     )
-    agg_line = f"aggregated {chosen.node_id} {aggregated * 1e3:.1f}ms"
+    agg_line = f"aggregated {chosen.node_id} {aggregated * 1e3:.1f}ms, first token {own.total_s * 1e3:.1f}ms"
     if split >= aggregated - tie_tolerance_s:
         return replace(decision, reason=f"{decision.reason}; not split: {agg_line} vs runner-up {split_line}")
-    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p[3], p[2], p[2] + transfer + d[2])
+    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p.tokens, p.wait, first_token)
     return replace(
         decision,
         node=d_nv.node,
@@ -126,3 +145,47 @@ def split_or_not(
         expected_cached_tokens=n,  # the decode node receives the whole prompt's KV
         reason=f"{split_line}; runner-up {agg_line}",
     )
+
+
+class _Side(NamedTuple):
+    """One node's half of a pair: when it is ready (prefill side: its prefill done; decode side:
+    the prefill queued there has run), what else it costs (stall, memory, decoding), its index in
+    the view, and the tokens it computes (prefill side)."""
+
+    wait: float
+    extra: float
+    index: int
+    tokens: int = 0
+    busy: float = 0.0  # decode side: the wait for the step running when the KV arrives
+
+
+_SHORTLIST = 3
+
+
+def _best_pair(
+    prefill: list[_Side], decode: list[_Side], transfer: float, last_token: float, latest: float
+) -> tuple[_Side, _Side, float] | None:
+    """The cheapest (prefill, decode) pair of distinct nodes whose first token comes by ``latest``,
+    with that first token's time.
+
+    The request joins the decode node's batch when both its KV has arrived (prefill done +
+    ``transfer``) and the prefill queued there has run, the later of the two; its first token
+    comes after the step running then and ``last_token`` (the one prompt token the decode node
+    computes). The cheapest pair is
+    among the few soonest or cheapest of each side, so a shortlist of both keeps this O(n).
+    """
+    def shortlist(side: list[_Side]) -> list[_Side]:
+        soonest = heapq.nsmallest(_SHORTLIST, side, key=lambda s: s.wait + s.busy)
+        cheapest = heapq.nsmallest(_SHORTLIST, side, key=lambda s: s.wait + s.busy + s.extra)
+        return list({s.index: s for s in soonest + cheapest}.values())
+
+    best: tuple[float, _Side, _Side, float] | None = None
+    for p in shortlist(prefill):
+        for d in shortlist(decode):
+            if p.index == d.index:
+                continue
+            first_token = max(p.wait + transfer, d.wait) + d.busy + last_token
+            cost = first_token + p.extra + d.extra
+            if first_token <= latest and (best is None or cost < best[0]):
+                best = (cost, p, d, first_token)
+    return None if best is None else (best[1], best[2], best[3])

@@ -41,6 +41,7 @@ from gateway.policy.base import (
     no_nodes,
 )
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
+from gateway.policy.disagg import DEFAULT_TTFT_SLACK
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
 from gateway.policy.warmup import DEFAULT_WARMUP_CREDIT, DEFAULT_WARMUP_LINK_SHARE, DEFAULT_WARMUP_S, WarmUp
 from gateway.profile import HardwareProfile
@@ -70,6 +71,8 @@ class KvgatePolicy:
         warmup_s: float = DEFAULT_WARMUP_S,
         warmup_credit: float = DEFAULT_WARMUP_CREDIT,
         warmup_link_share: float = DEFAULT_WARMUP_LINK_SHARE,
+        disaggregate: bool = True,
+        split_ttft_slack: float = DEFAULT_TTFT_SLACK,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -83,6 +86,8 @@ class KvgatePolicy:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
         if not session_slack >= 0:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
+        if not split_ttft_slack >= 0:
+            raise ValueError(f"split_ttft_slack must be >= 0, got {split_ttft_slack!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -93,6 +98,8 @@ class KvgatePolicy:
         self.memory_value = float(memory_value)
         self.session_slack = float(session_slack)
         self.warmup = WarmUp(warmup_s, warmup_credit, warmup_link_share)  # scale-out: new nodes are warmed
+        self.disaggregate = bool(disaggregate)  # may split a request over a (prefill, decode) pair (gateway.policy.disagg)
+        self.split_ttft_slack = float(split_ttft_slack)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float

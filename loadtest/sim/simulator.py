@@ -39,11 +39,10 @@ from directory_client.memory import InProcessDirectory
 from directory_client.sampling import DEFAULT_INDEX_STRIDE
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Reservation, Tier
 from gateway.decision_round import Round, answer_tokens, decide_round, routing_request
-from gateway.policy import make_policy
 from gateway.profile import HardwareProfile
 from gateway.types import PrefillPlan
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
-from loadtest.policies import ORACLE, ORACLE_POOL
+from loadtest.policies import ORACLE, ORACLE_POOL, sim_policy
 from loadtest.records import RequestRecord
 from loadtest.sim.elastic import Elastic, ScaleEvent
 from loadtest.sim.feed import DirectoryFeed
@@ -145,12 +144,7 @@ class Simulator:
         self.oracle = config.policy in (ORACLE, ORACLE_POOL)
         # the oracle's cache: every block any node computed (unbounded), or the fleet-sized pool
         self.pool = PooledMemory(capacity * config.nodes) if config.policy == ORACLE_POOL else None
-        if self.oracle:
-            self.policy = make_policy("least_request")
-        elif config.policy in ("kvgate", "kvgate_nopull") and config.pull_link:
-            self.policy = make_policy(config.policy, link=config.pull_link, **config.policy_options)
-        else:
-            self.policy = make_policy(config.policy, **config.policy_options)
+        self.policy = sim_policy(config.policy, config.pull_link, config.policy_options)
         self.seen_hashes: set[int] = set()  # every engine block computed anywhere (the oracle's cache)
         encode = (lambda s: tokenizer.encode_text(s, add_special_tokens=False)) if tokenizer else None
         self.sampler = ReplySampler.from_encoder(encode) if encode else ReplySampler(np.arange(1000, 1400))
