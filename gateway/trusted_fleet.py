@@ -88,8 +88,9 @@ class TrustedDirectory:
         self._fleet = fleet
         self._health = health
 
-    async def lookup(self, keys: np.ndarray) -> DirectoryView:
-        view = self._fleet.vet(await self._directory.lookup(keys))
+    async def lookup(self, keys: np.ndarray, session: str = "") -> DirectoryView:
+        found = await (self._directory.lookup(keys, session) if session else self._directory.lookup(keys))
+        view = self._fleet.vet(found)
         return view if self._health is None else self._health.vet(view)
 
     def __getattr__(self, name: str):

@@ -20,7 +20,9 @@ own recompute by more than the tolerance.
 A request naming its conversation (``RoutingRequest.session_node``, see ``gateway.sessions``)
 stays on the node that served the conversation last while that node's estimate is within
 ``session_slack`` (25%) of the cheapest: a rewritten history keeps its node, but a node that is
-much cheaper (it holds the new prompt, or the session's node is queued) still wins.
+much cheaper (it holds the new prompt, or the session's node is queued) still wins. A session
+that asked for long retention (``RoutingRequest.retention``) weighs more: ``session_slack_long``
+(100%: up to twice the cheapest).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ LINKS = ("rdma", "tcp")
 DEFAULT_MIN_PULL_BLOCKS = 8  # 128 tokens at block size 16: a few ms of prefill, not worth a transfer
 DEFAULT_TIE_TOLERANCE_S = 0.001
 DEFAULT_SESSION_SLACK = 0.25
+DEFAULT_SESSION_SLACK_LONG = 1.0
 
 
 class KvgatePolicy:
@@ -62,6 +65,7 @@ class KvgatePolicy:
         tie_tolerance_s: float = DEFAULT_TIE_TOLERANCE_S,
         memory_value: float = DEFAULT_MEMORY_VALUE,
         session_slack: float = DEFAULT_SESSION_SLACK,
+        session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -75,6 +79,8 @@ class KvgatePolicy:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
         if not session_slack >= 0:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
+        if not session_slack_long >= session_slack:
+            raise ValueError(f"session_slack_long must be >= session_slack ({session_slack}), got {session_slack_long!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -84,6 +90,7 @@ class KvgatePolicy:
         self.tie_tolerance_s = float(tie_tolerance_s)
         self.memory_value = float(memory_value)
         self.session_slack = float(session_slack)
+        self.session_slack_long = float(session_slack_long)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -102,7 +109,8 @@ class KvgatePolicy:
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity)
-        kept = keep_session(top, costs, nodes, request.session_node, self.session_slack, tol)
+        slack = self.session_slack_long if request.retention == "long" else self.session_slack
+        kept = keep_session(top, costs, nodes, request.session_node, slack, tol)
         if kept is not None:
             top = [kept] + [i for i in top if i != kept]
         chosen_i = top[0]
