@@ -9,6 +9,8 @@ and three upstreams.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 
 import pytest
@@ -128,6 +130,38 @@ def test_a_session_slack_of_zero_turns_the_preference_into_a_tie_breaker() -> No
     assert d.node.node_id != "n1"
     with pytest.raises(ValueError, match="session_slack"):
         make_policy("kvgate", session_slack=-1)
+
+
+# --- in the routing core ---------------------------------------------------------------------------
+
+
+async def test_the_core_routes_a_short_named_turn_and_records_its_class() -> None:
+    """A prompt short enough to be tokenized whole (not routed on its head) names its session and
+    class in the body; the session is read with the lookup and recorded with the long TTL."""
+    from gateway.core import RoutingCore, RoutingLimits
+    from directory_client.types import NodeInfo
+    from tokenizer import PromptTokenizer
+
+    now = [1000.0]
+    directory = InProcessDirectory(clock=lambda: now[0])
+    for i in (1, 2):
+        await directory.register_node(NodeInfo(f"n{i}", f"127.0.0.1:{9000 + i}"))
+    limits = RoutingLimits(session_ttl_s=60, session_long_ttl_s=3600)
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), load_profile("llama-3.1-8b-h100"), limits)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hello there."}], "user": "u-7",
+            "prompt_cache_retention": "24h"}
+    result = await core.route(PATH, json.dumps(body).encode())
+    assert result.kind == "routed" and result.request is not None
+    assert result.request.session == session_key("u-7", "m", None) and result.request.retention == "long"
+    for _ in range(3):  # recorded off the answer's path
+        await asyncio.sleep(0)
+    node = result.decision.node.node_id
+    now[0] += 3000  # past the default TTL, within the long one
+    assert await directory.session_node(result.request.session) == node
+    for i in (1, 2):
+        await directory.heartbeat(f"n{i}")
+    again = await core.route(PATH, json.dumps(body).encode())
+    assert again.kind == "routed" and again.request.session_node == node  # read back with the lookup
 
 
 # --- through Envoy ------------------------------------------------------------------------------------
