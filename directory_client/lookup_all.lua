@@ -1,5 +1,6 @@
 -- Single Redis: every live node's prefix and load in one EVALSHA.
--- KEYS[1] registry zset (node_id -> heartbeat deadline ms); ARGV[1] key prefix, ARGV[2] key blob.
+-- KEYS[1] registry zset (node_id -> heartbeat deadline ms); ARGV[1] key prefix, ARGV[2] key blob,
+-- ARGV[3] (optional) a session's key, whose value (its node, or '') ends the reply.
 -- Per-node keys are built here rather than declared: allowed on a standalone Redis only
 -- (the cluster backend runs lookup_node.lua once per node instead).
 -- Reply: flat {node_id, info, held, worst_tier, inflight, prefill_tokens, indexed_blocks, ...}.
@@ -15,5 +16,8 @@ for i = 1, #ids do
     out[#out + 1] = ids[i]
     for j = 1, 6 do out[#out + 1] = v[j] end
   end
+end
+if ARGV[3] then
+  out[#out + 1] = redis.call('GET', ARGV[3]) or ''
 end
 return out

@@ -114,6 +114,28 @@ class _Load:
         return NodeLoad(self.inflight, self.prefill) if self.inflight else _IDLE
 
 
+class _Chunks:
+    """A lookup's keys as lists of Python ints, made a chunk at a time and shared by the nodes:
+    a scan stops at a node's first missing block, usually long before the end of a long prompt."""
+
+    SIZE = 256
+
+    __slots__ = ("_keys", "_made")
+
+    def __init__(self, keys: Sequence[int]) -> None:
+        self._keys = keys
+        self._made: list[list[int]] = []
+
+    def __iter__(self):
+        keys, made, size = self._keys, self._made, self.SIZE
+        for i in range(0, len(keys), size):
+            c = i // size
+            if c == len(made):
+                part = keys[i : i + size]
+                made.append(part.tolist() if hasattr(part, "tolist") else list(part))
+            yield made[c]
+
+
 class InProcessDirectory:
     """``Directory`` held in this process's memory (one gateway replica; tests' model)."""
 
@@ -277,21 +299,26 @@ class InProcessDirectory:
 
     # -- lookup --------------------------------------------------------------------------------
 
-    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView:
+    async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
         now = self._clock()
-        kept, positions = self.sampler.select_positions(keys)
+        kept, positions = self.sampler.select_array(keys)
+        chunks = _Chunks(kept)
         views = []
         for nid, st in self._live(now):
             blocks = st.blocks
             held = worst = 0
-            for k in kept:
-                mask = blocks.get(k)
-                if mask is None:
-                    break
-                t = FASTEST_TIER[mask]
-                if t > worst:
-                    worst = t
-                held += 1
+            for chunk in chunks:
+                for k in chunk:
+                    mask = blocks.get(k)
+                    if mask is None:
+                        break
+                    t = FASTEST_TIER[mask]
+                    if t > worst:
+                        worst = t
+                    held += 1
+                else:
+                    continue
+                break
             load = self._loads.get(nid)
             if load is not None:
                 load.expire(now)
@@ -305,7 +332,8 @@ class InProcessDirectory:
                     len(blocks) * self.sampler.stride,
                 )
             )
-        return DirectoryView(tuple(views), KeySampler.blocks_for(len(kept), positions))
+        session_node = (self._session_node(session, now) or "") if session else ""
+        return DirectoryView(tuple(views), KeySampler.blocks_for(len(kept), positions), session_node)
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -351,10 +379,13 @@ class InProcessDirectory:
     # -- sessions ------------------------------------------------------------------------------
 
     async def session_node(self, session: str) -> str | None:
+        return self._session_node(session, self._clock())
+
+    def _session_node(self, session: str, now: float) -> str | None:
         entry = self._sessions.get(session)
         if entry is None:
             return None
-        if entry[1] <= self._clock():
+        if entry[1] <= now:
             del self._sessions[session]
             return None
         return entry[0]

@@ -391,11 +391,15 @@ class RedisDirectoryBase(ABC):
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
         """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill])."""
 
-    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView:
+    async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
         await self._check_config()
-        kept, positions = self.sampler.select_positions(keys)
+        kept, positions = self.sampler.select_array(keys)
         blob = pack_keys(kept)
-        rows = await self._fan_out(blob)
+        if session:
+            rows, raw = await self._fan_out_with(blob, self._session_key(session))
+            session_node = raw.decode() if isinstance(raw, bytes) else (raw or "")
+        else:
+            rows, session_node = await self._fan_out(blob), ""
         blocks_for = KeySampler.blocks_for
         node = self._node
         views = []
@@ -410,7 +414,7 @@ class RedisDirectoryBase(ABC):
                     indexed * stride,
                 )
             )
-        return DirectoryView(tuple(views), blocks_for(len(kept), positions))
+        return DirectoryView(tuple(views), blocks_for(len(kept), positions), session_node)
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -450,15 +454,22 @@ class RedisDirectoryBase(ABC):
         rows = await self._fan_out(b"")
         return {nid: NodeLoad(r[3], r[4]) if r[3] else _IDLE for nid, r in rows}
 
+    def _session_key(self, session: str) -> str:
+        return f"{self.key_prefix}:session:{session}"
+
+    @abstractmethod
+    async def _fan_out_with(self, blob: bytes, key: str) -> tuple[list[tuple[str, Any]], Any]:
+        """``_fan_out`` and the value of ``key`` (None if unset), in the lookup's round trip."""
+
     async def session_node(self, session: str) -> str | None:
         async with self._io("session_node"):
-            raw = await self._client.get(f"{self.key_prefix}:session:{session}")
+            raw = await self._client.get(self._session_key(session))
         return raw.decode() if isinstance(raw, bytes) else raw
 
     async def record_session(self, session: str, node_id: str, ttl_s: float) -> None:
         check_node_id(node_id)
         async with self._io("record_session"):
-            await self._client.set(f"{self.key_prefix}:session:{session}", node_id, px=max(1, int(ttl_s * 1000)))
+            await self._client.set(self._session_key(session), node_id, px=max(1, int(ttl_s * 1000)))
 
     async def record_hot(self, node_id: str, model: str, tokens: bytes, *, keep: int, ttl_s: float) -> None:
         check_node_id(node_id)

@@ -145,6 +145,19 @@ class RedisClusterDirectory(RedisDirectoryBase):
         out.sort(key=lambda row: row[0])  # the view's order: by node id
         return out
 
+    async def _fan_out_with(self, blob: bytes, key: str) -> tuple[list[tuple[str, Any]], Any]:
+        """The session lives on a shard of its own: read beside the fan-out, not after it. A
+        session read that fails costs the request its session hint, not its lookup."""
+        rows, raw = await asyncio.gather(self._fan_out(blob), self._session_value(key))
+        return rows, raw
+
+    async def _session_value(self, key: str) -> Any:
+        try:
+            async with self._io("session_node"):
+                return await self._client.get(key)
+        except DirectoryUnavailable:
+            return None
+
     async def _ask_shard(self, rows: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         async with asyncio.timeout(self.shard_timeout_s):
             return await self._pipeline([cmd for _, cmd in rows])

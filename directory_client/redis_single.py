@@ -110,7 +110,17 @@ class RedisDirectory(RedisDirectoryBase):
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
         async with self._io("lookup"):
             flat = await self._eval("lookup_all", (self._registry,), (self.key_prefix, blob))
-        return [(flat[i].decode(), flat[i + 1 : i + 7]) for i in range(0, len(flat), 7)]
+        return _rows(flat)
+
+    async def _fan_out_with(self, blob: bytes, key: str) -> tuple[list[tuple[str, Any]], Any]:
+        """The same script reads ``key`` too (the reply's last element): one round trip."""
+        async with self._io("lookup"):
+            flat = await self._eval("lookup_all", (self._registry,), (self.key_prefix, blob, key))
+        return _rows(flat[:-1]), flat[-1] or None
+
+
+def _rows(flat: list[Any]) -> list[tuple[str, Any]]:
+    return [(flat[i].decode(), flat[i + 1 : i + 7]) for i in range(0, len(flat), 7)]
 
 
 def _script_connections(max_connections: int) -> int:

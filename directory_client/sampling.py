@@ -69,6 +69,14 @@ class KeySampler:
         positions = [i for i, k in enumerate(keys) if not k % s]
         return [keys[i] for i in positions], positions
 
+    def select_array(self, keys: Sequence[BlockKey] | np.ndarray) -> tuple[np.ndarray | list[int], list[int] | None]:
+        """``select_positions``, but a uint64 array stays an array: a lookup of a 128k-token prompt
+        (8000 keys) then packs them in one vectorised step, or lists them a chunk at a time up to
+        the first block a node misses, instead of building 8000 Python ints per request."""
+        if isinstance(keys, np.ndarray) and keys.dtype == np.uint64 and self.stride == 1:
+            return keys, None
+        return self.select_positions(keys)
+
     @staticmethod
     def blocks_for(held: int, positions: list[int] | None) -> int:
         """Engine blocks covered when a node holds the first ``held`` sampled keys."""
@@ -77,8 +85,10 @@ class KeySampler:
         return held if positions is None else positions[held - 1] + 1
 
 
-def pack_keys(keys: Sequence[int]) -> bytes:
+def pack_keys(keys: Sequence[int] | np.ndarray) -> bytes:
     """Keys as one blob of 8-byte big-endian words: one Redis argument however many keys."""
+    if isinstance(keys, np.ndarray) and keys.dtype == np.uint64:
+        return keys.astype(">u8").tobytes()
     try:
         return struct.pack(f">{len(keys)}Q", *keys)
     except struct.error as e:

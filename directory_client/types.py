@@ -95,6 +95,8 @@ class DirectoryView:
     answerable_blocks: int = -1
     """The longest prefix of the asked keys this lookup could report (with a stride, the block
     after the last sampled key); a node reporting it may hold more of the prompt. -1: unknown."""
+    session_node: str = ""
+    """The node the asked session was last routed to ("" when none was asked or recorded)."""
 
     def best(self) -> NodeView | None:
         return max(self.nodes, key=lambda n: n.cached_blocks, default=None)
@@ -164,7 +166,10 @@ class Directory(Protocol):
         lost its engine's socket brings them back whole by registering again."""
         ...
 
-    async def lookup(self, keys: Sequence[BlockKey]) -> DirectoryView: ...
+    async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
+        """Every live node's cached prefix of ``keys`` and its load; with ``session`` (an opaque
+        key) also the node that session was last routed to, read in the same round trip."""
+        ...
 
     async def reserve(
         self,

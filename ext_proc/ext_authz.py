@@ -45,11 +45,14 @@ from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import CALLER_TOKEN_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
 from gateway.metrics import REGISTRY
+from gateway.sessions import RETENTION_HEADER, SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_authz")
 
 AUTHZ_PATH_PREFIX = "/kvgate/authz"
 CALLER_TOKEN = CALLER_TOKEN_HEADER.encode()
+SESSION = SESSION_HEADER.encode()
+RETENTION = RETENTION_HEADER.encode()
 UNAUTHENTICATED = Counter(
     "kvgate_ext_authz_unauthenticated",
     "ext_authz checks without Envoy's caller token, passed through unrouted",
@@ -127,14 +130,20 @@ class ExtAuthzService:
             for conn in list(self._connections):
                 conn.check_timeouts(now)
 
-    async def check(self, method: str, path: str, body: bytes, request_id: str, traceparent: str) -> RouteResult | None:
-        """The decision for one check of ``path`` (the original path); None: not ours, pass through."""
+    async def check(
+        self, method: str, path: str, body: bytes, request_id: str, traceparent: str, session: str = "", retention: str = ""
+    ) -> RouteResult | None:
+        """The decision for one check of ``path`` (the original path); None: not ours, pass through.
+        ``session``, ``retention``: the request's ``x-session-id`` and ``x-kvgate-retention``
+        (Envoy forwards them: the rendered filter's ``allowed_headers``)."""
         if method != "POST" or path not in INFERENCE_PATHS:
             return None
         # Reset after: the next check on this connection runs in the same task.
         token = REQUEST_ID.set(request_id)
         try:
-            return await self.core.route(path, body, request_id, traceparent, sees_response_end=False)
+            return await self.core.route(
+                path, body, request_id, traceparent, sees_response_end=False, session_header=session, retention_header=retention
+            )
         finally:
             REQUEST_ID.reset(token)
 
@@ -167,6 +176,8 @@ class _Request:
     connection: bytes  # the ``connection`` header line the answer carries (b"": none)
     keep_alive: bool
     caller_token: bytes  # the x-kvgate-authz-token it came with
+    session: str  # its x-session-id ("" if none)
+    retention: str  # its x-kvgate-retention ("" if none)
 
 
 class _Connection(asyncio.Protocol):
@@ -201,6 +212,7 @@ class _Connection(asyncio.Protocol):
         self._traceparent = b""
         self._expect_continue = False
         self._caller_token = b""
+        self._session = self._retention = b""
         self._chunks: list[bytes] = []
         self._size = 0
 
@@ -263,7 +275,7 @@ class _Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._began = self._loop.time()
-        self._url = self._request_id = self._traceparent = self._caller_token = b""
+        self._url = self._request_id = self._traceparent = self._caller_token = self._session = self._retention = b""
         self._expect_continue = False
         self._chunks = []
         self._size = 0
@@ -279,6 +291,10 @@ class _Connection(asyncio.Protocol):
             self._traceparent = self._traceparent or value
         elif name == CALLER_TOKEN:
             self._caller_token = value
+        elif name == SESSION:
+            self._session = self._session or value
+        elif name == RETENTION:
+            self._retention = self._retention or value
         elif name == b"expect":  # curl asks before sending a body over 1 MB, then waits 1 s
             self._expect_continue = value.lower() == b"100-continue"
 
@@ -324,6 +340,8 @@ class _Connection(asyncio.Protocol):
                 connection,
                 keep_alive,
                 self._caller_token,
+                self._session.decode("utf-8", "replace"),  # as ext_proc reads it
+                self._retention.decode("latin-1"),
             )
         )
         self._chunks = []
@@ -400,7 +418,9 @@ class _Connection(asyncio.Protocol):
                 log.warning("ext_authz check without Envoy's caller token: passed through unrouted (counted from now on)")
             return _http_response(200, req.connection)
         try:
-            result = await self.service.check(req.method, req.path, req.body, req.request_id, req.traceparent)
+            result = await self.service.check(
+                req.method, req.path, req.body, req.request_id, req.traceparent, req.session, req.retention
+            )
             if result is None or result.kind not in ("routed", "rejected"):  # pass through, fail open
                 return _http_response(200, req.connection)
             if result.kind == "rejected":

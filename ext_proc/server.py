@@ -37,7 +37,7 @@ from gateway.envoy_config import CALLER_TOKEN_HEADER, DESTINATION_HEADER, INFERE
 from gateway.logs import REQUEST_ID
 from gateway.node_health import NodeHealth
 from gateway.prediction import predict
-from gateway.sessions import SESSION_HEADER
+from gateway.sessions import RETENTION_HEADER, SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_proc")
 
@@ -209,7 +209,8 @@ class ExtProcService:
             await context.write(responses.BODY_CONTINUE)
 
         result = await self.core.route(
-            path, bytes(body), request_id, headers.get("traceparent", ""), session_header=headers.get(SESSION_HEADER, "")
+            path, bytes(body), request_id, headers.get("traceparent", ""),
+            session_header=headers.get(SESSION_HEADER, ""), retention_header=headers.get(RETENTION_HEADER, ""),
         )
         if result.kind == "routed":
             await context.write(routed_response(result))

@@ -162,6 +162,26 @@ async def sweep(
                     cell.update(kind=kind, size=size, concurrency=conc, prompt_tokens=make.prompt_tokens(path, bodies[0]))
                     out["cells"].append(cell)
         out["interference"] = await _interference(s, urls, make, max(sizes), 2 * requests, admin_url)
+    out["goals"] = goals(out)
+    return out
+
+
+def goals(result: dict) -> dict[str, float]:
+    """The sweep's figures the request-path goals are stated in, from cells at concurrency 1:
+    what a continuing chat of the largest size adds over what one of the smallest adds (goal ≤ 2),
+    a fresh prompt of the largest size's added p99 (goal ≤ 50 ms), and how much more the p99 of
+    other requests rises through kvgate than through plain Envoy while those arrive (goal ≤ 2 ms)."""
+    alone = {(c["kind"], c["size"]): c for c in result["cells"] if c["concurrency"] == 1}
+    sizes = sorted({size for _, size in alone})
+    out: dict[str, float] = {}
+    small, large = alone.get(("chat", sizes[0])), alone.get(("chat", sizes[-1]))
+    if small and large and small["added_p50_ms"] > 0:
+        out["chat_largest_added_p50_over_smallest"] = large["added_p50_ms"] / small["added_p50_ms"]
+    fresh = alone.get(("fresh", sizes[-1]))
+    if fresh:
+        out["fresh_largest_added_p99_ms"] = fresh["added_p99_ms"]
+    if "interference" in result:
+        out["interference_p99_rise_over_envoy_ms"] = result["interference"]["kvgate_p99_rise_over_envoy_ms"]
     return out
 
 
@@ -227,3 +247,5 @@ def print_sweep(result: dict, console: Console) -> None:
             f"{i['fresh_tokens']:,}-token prompts arrived (their p99 {r['fresh']['p99_ms']:.1f} ms): p99 rise {r['p99_rise_ms']:+.2f} ms"
         )
     console.print(f"p99 rise kvgate adds over plain Envoy's: {i['kvgate_p99_rise_over_envoy_ms']:+.2f} ms")
+    for key, value in result.get("goals", {}).items():
+        console.print(f"{key}: {value:.2f}")

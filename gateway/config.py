@@ -247,6 +247,9 @@ class PolicyConfig(_Section):
     split_ttft_slack: float = Field(
         DEFAULT_TTFT_SLACK, ge=0, description="a split that spares running decodes a long prefill may delay the first token this fraction at most"
     )
+    session_slack_long: float = Field(
+        1.0, ge=0, description="session_slack for a session that asked for long retention (x-kvgate-retention: long)"
+    )
 
     @field_validator("name")
     @classmethod
@@ -435,11 +438,14 @@ class TracingConfig(_Section):
 
 
 class SessionsConfig(_Section):
-    """Conversations named by the client (``x-session-id`` over ext_proc, or the body's
+    """Conversations named by the client (``x-session-id``, or the body's ``prompt_cache_key`` /
     ``safety_identifier`` / ``user``) keep their node when a turn's prompt is not a prefix
     extension; the ``kvgate`` policy's ``session_slack`` bounds what that may cost (gateway/sessions.py)."""
 
     ttl_s: float = Field(1800.0, ge=0, description="how long a session's node is remembered; 0 = sessions off")
+    long_ttl_s: float = Field(
+        86400.0, ge=0, description="how long the node of a session that asked for long retention is remembered"
+    )
 
 
 class DoctorConfig(_Section):

@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -56,7 +56,7 @@ from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_
 from gateway.elastic import DrainingNodes, HotRecorder, hot_tokens
 from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
-from gateway.sessions import session_id, session_key
+from gateway.sessions import Retention, retention, session_id, session_key
 from gateway.types import Decision, PrefillPlan, RoutingRequest
 from tokenizer import InvalidPrompt, PreparedPrompt, PromptHead, PromptTokenizer, PromptTooLarge
 from tokenizer.keys import PrefixKeyCache, request_seed
@@ -89,6 +89,7 @@ class RoutingLimits:
     max_answer_tokens: int = MAX_ANSWER_TOKENS  # ceiling of the answer budget a request's load is estimated with
     max_hold_s: float = MAX_HOLD_S  # a load held for an estimate (ext_authz) ends this long after at the latest
     session_ttl_s: float = 1800.0  # how long a session's node is remembered (0: sessions off)
+    session_long_ttl_s: float = 86400.0  # ... when it asked for long retention
 
 
 @dataclass(slots=True)
@@ -182,6 +183,7 @@ class RoutingCore:
         *,
         sees_response_end: bool = True,
         session_header: str = "",
+        retention_header: str = "",
     ) -> RouteResult:
         """Decide and reserve the node's load; ``traceparent`` (W3C) parents the decision's span.
 
@@ -189,12 +191,15 @@ class RoutingCore:
         False (ext_authz): the load is held for the decision's estimate of the service time and
         the directory ends it by itself (``release`` still gives it back earlier); such requests
         are not in ``kvgate_inflight_requests``, whose end this replica never learns.
-        ``session_header``: the request's ``x-session-id`` (``gateway.sessions``).
+        ``session_header``, ``retention_header``: the request's ``x-session-id`` and
+        ``x-kvgate-retention`` (``gateway.sessions``).
         """
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
             hold: Hold = "until_release" if sees_response_end else "estimate"
-            result = await self._route(path, body, request_id, hold=hold, session_header=session_header)
+            result = await self._route(
+                path, body, request_id, hold=hold, session_header=session_header, retention_header=retention_header
+            )
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
@@ -221,7 +226,14 @@ class RoutingCore:
         return await self._route(path, body, "", hold=None)
 
     async def _route(
-        self, path: str, body: bytes, request_id: str, *, hold: Hold | None, session_header: str = ""
+        self,
+        path: str,
+        body: bytes,
+        request_id: str,
+        *,
+        hold: Hold | None,
+        session_header: str = "",
+        retention_header: str = "",
     ) -> RouteResult:
         lim = self.limits
         t0 = time.perf_counter()
@@ -241,7 +253,7 @@ class RoutingCore:
         t1 = time.perf_counter()
         try:
             prepared = self.tokenizer.prepare(path, req, max_text_bytes=lim.max_prompt_bytes)
-            session = await self._session(session_header, req, prepared)
+            session = self._session(session_header, retention_header, req, prepared)
             head = self.tokenizer.head(prepared, fresh_chars=lim.head_chars) if lim.head_chars > 0 else None
             if head is not None:
                 early = await self._route_by_head(prepared, req, head, request_id, hold, t0, t1, session)
@@ -265,7 +277,7 @@ class RoutingCore:
         keys = self.keys.block_keys(prompt.token_ids, block_size=lim.block_size, seed=seed)
         request = routing_request(
             prompt.model, prompt.token_ids, keys, block_size=lim.block_size, seed=seed, request_id=request_id,
-            salted=prompt.cache_salt is not None, session=session[0], session_node=session[1],
+            salted=prompt.cache_salt is not None, session=session[0], retention=session[1],
         )
         t2 = time.perf_counter()
         decided = await self._decide(request, keys, self._answer_tokens(req, request))
@@ -283,7 +295,7 @@ class RoutingCore:
         hold: Hold | None,
         t0: float,
         t1: float,
-        session: tuple[str, str] = ("", ""),
+        session: tuple[str, Retention] = ("", ""),
     ) -> RouteResult | None:
         """Decide on a long fresh prompt's first blocks alone, when that cannot change the answer.
 
@@ -307,7 +319,7 @@ class RoutingCore:
             request_id=request_id,
             salted=head.cache_salt is not None,
             session=session[0],
-            session_node=session[1],
+            retention=session[1],
             affinity=int(keys[-1]),
         )
         t2 = time.perf_counter()
@@ -322,29 +334,27 @@ class RoutingCore:
         self.background.submit(prepared)  # bounded; dropped (and counted) when full
         return await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
 
-    async def _session(self, header: str, req: dict, prepared: PreparedPrompt) -> tuple[str, str]:
-        """The request's session key and the node it was last routed to ("" when unknown).
+    def _session(self, header: str, retention_header: str, req: dict, prepared: PreparedPrompt) -> tuple[str, Retention]:
+        """The request's session key ("" when it names none) and its retention class.
 
-        A directory that cannot answer costs the request its session hint, not its decision.
+        The node the session was last routed to comes back with the directory lookup itself
+        (``Directory.lookup(keys, session)``): one round trip, not a second one before it.
         """
         sid = session_id(header, req) if self.limits.session_ttl_s > 0 else ""
         if not sid:
             return "", ""
-        key = session_key(sid, prepared.model, prepared.cache_salt)
-        try:
-            return key, await self._bounded(self.directory.session_node(key)) or ""
-        except (DirectoryUnavailable, TimeoutError):
-            metrics.DIRECTORY_ERRORS.labels("session_node").inc()
-            return key, ""
+        return session_key(sid, prepared.model, prepared.cache_salt), retention(retention_header, req)
 
     def _remember_session(self, result: RouteResult) -> None:
         """Record the session's node off the request's path (the answer does not wait for it)."""
         assert result.request is not None and result.decision is not None and result.decision.node is not None
         session, node_id = result.request.session, result.decision.node.node_id
+        lim = self.limits
+        ttl_s = lim.session_long_ttl_s if result.request.retention == "long" else lim.session_ttl_s
 
         async def record() -> None:
             try:
-                await self._bounded(self.directory.record_session(session, node_id, self.limits.session_ttl_s))
+                await self._bounded(self.directory.record_session(session, node_id, ttl_s))
             except (DirectoryUnavailable, TimeoutError):
                 metrics.DIRECTORY_ERRORS.labels("record_session").inc()
 
@@ -364,6 +374,7 @@ class RoutingCore:
         """Reserve the chosen node's load (``hold`` None: do not) and build the answer."""
         t0, t1, t2 = marks
         t3, t4 = decided.looked_up, time.perf_counter()
+        request = decided.request
         timings = {"parse": t1 - t0, "tokenize": t2 - t1, "lookup": t3 - t2, "score": t4 - t3, "total": t4 - t0}
         if decided.view is None:  # the lookup failed: nothing was scored
             del timings["score"]
@@ -410,24 +421,27 @@ class RoutingCore:
         """Directory lookup under the configured timeout, then the decision round (pure, no I/O)
         for an answer budget of ``answer`` tokens."""
         t = time.perf_counter()
+        session = request.session
         try:
-            view = await self._bounded(self.directory.lookup(keys))
+            view = await self._bounded(self.directory.lookup(keys, session) if session else self.directory.lookup(keys))
         except (DirectoryUnavailable, TimeoutError) as e:
             done = time.perf_counter()
             metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
             metrics.DIRECTORY_ERRORS.labels("lookup").inc()
             log.warning("directory lookup failed (%s); failing open", type(e).__name__)
-            return _Decided(None, None, done, _fail_open("directory_unavailable"))
+            return _Decided(None, None, done, _fail_open("directory_unavailable"), request)
         done = time.perf_counter()
         metrics.DIRECTORY_LOOKUP_SECONDS.observe(done - t)
+        if view.session_node:
+            request = replace(request, session_node=view.session_node)
         rnd = decide_round(
             self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer,
             max_hold_s=self.limits.max_hold_s, draining=self.draining.current(),
         )
         if rnd.decision.node is None:
             failed = RouteResult("fail_open", decision=rnd.decision, reason="no_live_node")
-            return _Decided(view, rnd, done, failed)
-        return _Decided(view, rnd, done, None)
+            return _Decided(view, rnd, done, failed, request)
+        return _Decided(view, rnd, done, None, request)
 
     async def _reserve(self, rnd: Round, hold: Hold, *, conditional: bool = True) -> Reservation:
         """Take the chosen node's load; ``conditional``: only if nobody added load since the lookup.
@@ -500,6 +514,7 @@ class _Decided:
     round: Round | None
     looked_up: float  # perf_counter when the lookup answered
     failed: RouteResult | None
+    request: RoutingRequest  # what was asked, with the session's node the lookup found
 
 
 def _log_decision(result: RouteResult) -> None:

@@ -52,6 +52,7 @@ def routing_request(
     salted: bool = False,
     session: str = "",
     session_node: str = "",
+    retention: str = "",
 ) -> RoutingRequest:
     """What the policy is asked about a tokenized prompt.
 
@@ -62,6 +63,7 @@ def routing_request(
     return RoutingRequest(
         model=model, prompt_tokens=len(token_ids), total_blocks=len(keys), block_size=block_size,
         request_id=request_id, affinity=affinity, salted=salted, session=session, session_node=session_node,
+        retention=retention,
     )
 
 

@@ -38,6 +38,8 @@ from typing import Literal
 
 import yaml
 
+from gateway.sessions import RETENTION_HEADER, SESSION_HEADER
+
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 PULL_SOURCE_HEADER = "x-kv-cache-source-host-port"
 PULL_BLOCKS_HEADER = "x-kv-cache-pull-blocks"
@@ -214,7 +216,7 @@ def _ext_authz_filter(s: EnvoySettings) -> dict:
                     "allowed_client_headers": exact("content-type"),
                 },
             },
-            "allowed_headers": exact("x-request-id", "content-type", "traceparent"),
+            "allowed_headers": exact("x-request-id", "content-type", "traceparent", SESSION_HEADER, RETENTION_HEADER),
             # The whole body or nothing: a partial body would be judged malformed.
             "with_request_body": {"max_request_bytes": s.max_body_bytes, "allow_partial_message": False},
             "failure_mode_allow": True,

@@ -80,6 +80,7 @@ def limits_from_config(cfg: KvgateConfig) -> RoutingLimits:
         max_hold_s=cfg.limits.max_hold_s,
         lookup_timeout_s=cfg.directory.lookup_timeout_ms / 1000,
         session_ttl_s=cfg.sessions.ttl_s,
+        session_long_ttl_s=cfg.sessions.long_ttl_s,
     )
 
 

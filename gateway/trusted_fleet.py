@@ -96,8 +96,9 @@ class TrustedDirectory:
         self._health = health
         self._verdicts = verdicts
 
-    async def lookup(self, keys: np.ndarray) -> DirectoryView:
-        view = self._fleet.vet(await self._directory.lookup(keys))
+    async def lookup(self, keys: np.ndarray, session: str = "") -> DirectoryView:
+        found = await (self._directory.lookup(keys, session) if session else self._directory.lookup(keys))
+        view = self._fleet.vet(found)
         if self._verdicts is not None:
             view = self._verdicts.vet(view)
         return view if self._health is None else self._health.vet(view)

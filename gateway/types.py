@@ -25,6 +25,7 @@ class RoutingRequest:
     salted: bool = False  # carried a cache_salt: its block keys are its tenant's alone
     session: str = ""  # the conversation's key (gateway.sessions), "" when the client named none
     session_node: str = ""  # the node the session was last routed to, if recorded
+    retention: str = ""  # the session's retention class: "" or "long" (gateway.sessions)
     affinity: int = 0
     """Spreads ties: equally good nodes are ordered by a hash of (node, affinity). The gateway
     passes the prompt's last block key, so distinct conversations spread over idle nodes while

@@ -115,6 +115,24 @@ async def test_longest_prefix_per_live_node(backend: Backend) -> None:
     assert cached(await d.lookup([])) == {"a": 0, "b": 0, "c": 0}
 
 
+async def test_a_lookup_naming_a_session_answers_its_node_too(backend: Backend) -> None:
+    """The session's node comes back with the lookup itself, not from a second call after it."""
+    d = backend.make()
+    keys = chain(6)
+    await d.register_node(node("a", 8000))
+    await d.record_stored("a", keys[:3])
+    assert (await d.lookup(keys, "s-1")).session_node == ""  # named but never recorded
+    await d.record_session("s-1", "a", ttl_s=30)
+
+    async def refused(session: str) -> str | None:
+        raise AssertionError("lookup read the session with a second call")
+
+    d.session_node = refused  # the lookup must not fall back to the separate read
+    view = await d.lookup(keys, "s-1")
+    assert view.session_node == "a" and cached(view) == {"a": 3}
+    assert (await d.lookup(keys)).session_node == ""  # not asked: not read
+
+
 async def test_no_nodes_gives_empty_view(backend: Backend) -> None:
     d = backend.make()
     await d.record_stored("orphan", chain(3))  # blocks of a node that never registered

@@ -1,12 +1,16 @@
 """Sessions: a conversation named by the client keeps its node when a turn's prompt is not a
 prefix extension (edited history, summarised context), recorded with a TTL in the directory, and
-weighed by the cost model — never kept on a node that is much more expensive than another.
+weighed by the cost model — never kept on a node that is much more expensive than another. A
+session asking for long retention is remembered longer and weighs more.
 
-The request-path tests run real Envoy, ``kvgate serve`` over ext_proc, Redis and three upstreams.
+The request-path tests run real Envoy, ``kvgate serve`` over ext_proc and over ext_authz, Redis
+and three upstreams.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 
 import pytest
@@ -16,10 +20,10 @@ from directory_client import open_directory
 from directory_client.memory import InProcessDirectory
 from gateway.policy import make_policy
 from gateway.profile import load_profile
-from gateway.sessions import session_id, session_key
+from gateway.sessions import retention, session_id, session_key
 from gateway.types import RoutingRequest
 from tests.support.http import eventually, post_json
-from tests.support.stack import Stack, chat, document
+from tests.support.stack import MODEL, Stack, chat, document
 from tests.test_policy import node, view
 
 PATH = "/v1/chat/completions"
@@ -34,6 +38,22 @@ def test_the_header_wins_then_safety_identifier_then_user() -> None:
     assert session_id("", body) == "s-1"
     assert session_id("", {"user": "u-1"}) == "u-1"
     assert session_id("", {"user": 7}) == ""  # not a string: no session, not an error
+
+
+def test_prompt_cache_key_names_a_session_before_the_person_fields() -> None:
+    body = {"user": "u-1", "safety_identifier": "s-1", "prompt_cache_key": "k-1"}
+    assert session_id("", body) == "k-1"
+    assert session_id("h-1", body) == "h-1"
+
+
+def test_retention_classes() -> None:
+    assert retention("long", {}) == "long"
+    assert retention("LONG", {}) == "long"
+    assert retention("", {"prompt_cache_retention": "24h"}) == "long"  # OpenAI's field
+    assert retention("", {"prompt_cache_retention": "in_memory"}) == ""
+    assert retention("default", {"prompt_cache_retention": "24h"}) == ""  # the header wins
+    assert retention("forever", {}) == ""  # unknown: the default, not an error
+    assert retention("", {"prompt_cache_retention": 24}) == ""
 
 
 def test_session_keys_are_per_model_and_tenant_and_hide_the_id() -> None:
@@ -72,8 +92,10 @@ async def test_redis_directory_keeps_a_session_with_its_ttl(redis_url, key_prefi
 # --- the policy weighs it ---------------------------------------------------------------------------
 
 
-def decide(session_node: str, queued_on_n1: int):
-    req = RoutingRequest(model="m", prompt_tokens=6500, total_blocks=406, block_size=16, session_node=session_node)
+def decide(session_node: str, queued_on_n1: int, retention: str = ""):
+    req = RoutingRequest(
+        model="m", prompt_tokens=6500, total_blocks=406, block_size=16, session_node=session_node, retention=retention
+    )
     v = view(node(1, inflight=1, queued=queued_on_n1), node(2), node(3))
     return make_policy("kvgate").decide(req, v, load_profile("llama-3.1-8b-h100"), now=0.0)
 
@@ -90,6 +112,17 @@ def test_a_session_never_overrides_a_much_cheaper_node() -> None:
     assert d.node.node_id != "n1" and costs["n1"] > 1.25 * costs[d.node.node_id]
 
 
+def test_long_retention_keeps_a_busier_node_but_not_any() -> None:
+    moved = decide("n1", queued_on_n1=3000)
+    costs = {c.node_id: c.total_s for c in moved.candidates}
+    ratio = costs["n1"] / min(costs.values())
+    assert moved.node.node_id != "n1" and 1.25 < ratio < 2  # a default session moves at this cost
+    assert decide("n1", queued_on_n1=3000, retention="long").node.node_id == "n1"
+    assert decide("n1", queued_on_n1=20_000, retention="long").node.node_id != "n1"  # up to 2x, no more
+    with pytest.raises(ValueError, match="session_slack_long"):
+        make_policy("kvgate", session_slack=0.5, session_slack_long=0.25)
+
+
 def test_a_session_slack_of_zero_turns_the_preference_into_a_tie_breaker() -> None:
     req = RoutingRequest(model="m", prompt_tokens=6500, total_blocks=406, block_size=16, session_node="n1")
     v = view(node(1, inflight=1, queued=500), node(2), node(3))
@@ -99,34 +132,90 @@ def test_a_session_slack_of_zero_turns_the_preference_into_a_tie_breaker() -> No
         make_policy("kvgate", session_slack=-1)
 
 
+# --- in the routing core ---------------------------------------------------------------------------
+
+
+async def test_the_core_routes_a_short_named_turn_and_records_its_class() -> None:
+    """A prompt short enough to be tokenized whole (not routed on its head) names its session and
+    class in the body; the session is read with the lookup and recorded with the long TTL."""
+    from gateway.core import RoutingCore, RoutingLimits
+    from directory_client.types import NodeInfo
+    from tokenizer import PromptTokenizer
+
+    now = [1000.0]
+    directory = InProcessDirectory(clock=lambda: now[0])
+    for i in (1, 2):
+        await directory.register_node(NodeInfo(f"n{i}", f"127.0.0.1:{9000 + i}"))
+    limits = RoutingLimits(session_ttl_s=60, session_long_ttl_s=3600)
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), load_profile("llama-3.1-8b-h100"), limits)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Hello there."}], "user": "u-7",
+            "prompt_cache_retention": "24h"}
+    result = await core.route(PATH, json.dumps(body).encode())
+    assert result.kind == "routed" and result.request is not None
+    assert result.request.session == session_key("u-7", "m", None) and result.request.retention == "long"
+    for _ in range(3):  # recorded off the answer's path
+        await asyncio.sleep(0)
+    node = result.decision.node.node_id
+    now[0] += 3000  # past the default TTL, within the long one
+    assert await directory.session_node(result.request.session) == node
+    for i in (1, 2):
+        await directory.heartbeat(f"n{i}")
+    again = await core.route(PATH, json.dumps(body).encode())
+    assert again.kind == "routed" and again.request.session_node == node  # read back with the lookup
+
+
 # --- through Envoy ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory, envoy_bin, redis_url):
-    s = Stack(tmp_path_factory.mktemp("sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
+@pytest.fixture(scope="module", params=["ext_proc", "ext_authz"])
+def stack(request, tmp_path_factory, envoy_bin, redis_url):
+    s = Stack(
+        tmp_path_factory.mktemp("sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}",
+        integration=request.param,
+    )
     yield s
     s.stop()
 
 
-def send(stack: Stack, body: dict, session: str = "") -> str:
-    status, echo = post_json(stack.url(PATH), body, headers={"x-session-id": session} if session else {})
+def send(stack: Stack, body: dict, session: str = "", retention: str = "") -> str:
+    headers = {"x-session-id": session} if session else {}
+    if retention:
+        headers["x-kvgate-retention"] = retention
+    status, echo = post_json(stack.url(PATH), body, headers=headers)
     assert status == 200, echo
     return echo["node"]
 
 
+def recorded(stack: Stack, name: str) -> None:
+    """Wait for the session's node to be in the directory: it is recorded after the answer."""
+    key = f"{stack.key_prefix}:session:{session_key(name, MODEL, None)}"
+    eventually(lambda: redis.Redis.from_url(stack.redis_url).exists(key), timeout_s=5)
+
+
+def settled(stack: Stack) -> None:
+    """Wait until no earlier request's load is left on any node (ext_proc gives it back when the
+    stream ends, ext_authz when its estimate ends): the cost comparisons below assume idle nodes."""
+    def loads():
+        return stack.directory_call(lambda d: d.loads())
+
+    eventually(lambda: all(not v.inflight for v in loads().values()), timeout_s=10, show=loads)
+
+
 def load(stack: Stack, node_id: str, tokens: int):
     """Queue ``tokens`` of prefill on a node, as another request in flight there would."""
+    settled(stack)
     return stack.directory_call(lambda d: d.reserve(node_id, tokens, first_token_s=120))
 
 
 def release(stack: Stack, reservation) -> None:
-    stack.directory_call(lambda d: d.release(reservation))
+    """Give the load back, retried: one lost to a timeout on a busy machine would skew later tests."""
+    eventually(lambda: stack.directory_call(lambda d: d.release(reservation)) or True, timeout_s=10)
 
 
 def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(stack: Stack) -> None:
     session = "conv-" + uuid.uuid4().hex
     first = send(stack, chat(document("harbour"), "Summarise the report."), session)
+    recorded(stack, session)
     # The client summarised the history: the next prompt shares no prefix with the first.
     summary = chat(document("harbour summary", 300), "And the tides?")
 
@@ -147,9 +236,33 @@ def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(
     eventually(lambda: send(stack, chat(document("harbour summary 3", 300), "Rain?"), session) == moved, timeout_s=5)
 
 
+def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, redis_url) -> None:
+    """Through either integration the retention header reaches the policy and the directory: the
+    session's node is remembered for ``sessions.long_ttl_s`` and kept at a cost a default
+    session would not pay (about 1.5x the cheapest here, between the two slacks)."""
+    short, long = "conv-" + uuid.uuid4().hex, "conv-" + uuid.uuid4().hex
+    first_short = send(stack, chat(document("estuary"), "Summarise the report."), short)
+    first_long = send(stack, chat(document("delta"), "Summarise the report."), long, retention="long")
+
+    def ttl_ms(name: str) -> int:
+        return redis.Redis.from_url(redis_url).pttl(f"{stack.key_prefix}:session:{session_key(name, MODEL, None)}")
+
+    eventually(lambda: ttl_ms(short) > 0 and ttl_ms(long) > 0, timeout_s=5)  # recorded after the answer
+    assert ttl_ms(short) <= 1800_000 < 3600_000 < ttl_ms(long)
+    for session, first, kept in ((short, first_short, False), (long, first_long, True)):
+        busy = load(stack, first, 2000)
+        try:
+            turn = send(stack, chat(document(f"{session} summary", 300), "And the tides?"), session,
+                        retention="long" if kept else "")
+            assert (turn == first) is kept
+        finally:
+            release(stack, busy)
+
+
 def test_the_openai_user_field_names_a_session_too(stack: Stack) -> None:
     user = "user-" + uuid.uuid4().hex
     first = send(stack, {**chat(document("orchard"), "Which trees?"), "user": user})
+    recorded(stack, user)
     busy = load(stack, first, 500)
     try:
         assert send(stack, {**chat(document("orchard notes", 300), "Apples?"), "user": user}) == first

@@ -41,6 +41,7 @@ class EncodePlan:
     missing: list[str]  # distinct missing pieces, in first-seen order
     whole_text: str | None = None  # set when the post-processor cannot be expressed as a wrap
     wrap: bool = False
+    text_bytes: int = -1  # UTF-8 length of the split text, summed over its pieces (-1: not split)
 
     @property
     def missing_chars(self) -> int:
@@ -56,6 +57,7 @@ class SegmentedEncoder:
         self.splitter = AddedTokenSplitter(tokenizer)
         self._batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._token_arrays: dict[int, np.ndarray] = {}
+        self._token_bytes = self.splitter.token_utf8_lengths()
         self._prefix, self._suffix = self._special_wrap()
 
     def _special_wrap(self) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -91,17 +93,22 @@ class SegmentedEncoder:
         found = iter(self.cache.get_many(texts))
         parts: list[np.ndarray | str] = []
         missing: dict[str, None] = {}
+        size = 0  # UTF-8 bytes, from the pieces: the text itself is often UCS-2 (the template's
+        # special tokens) and encoding it whole to measure it cost ~1 ms at 128k tokens
+        token_bytes = self._token_bytes
         for piece in pieces:
             if isinstance(piece, int):
                 parts.append(self._token_array(piece))
+                size += token_bytes[piece]
                 continue
+            size += len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
             ids = next(found)
             if ids is None:
                 missing[piece] = None
                 parts.append(piece)
             else:
                 parts.append(ids)
-        return EncodePlan(parts, list(missing), wrap=add_special_tokens)
+        return EncodePlan(parts, list(missing), wrap=add_special_tokens, text_bytes=size)
 
     def _encode_batch(self, texts: list[str], *, add_special_tokens: bool) -> list:
         try:

@@ -99,53 +99,87 @@ class PrefixKeyCache:
     the prompt into segments of ``segment_blocks`` blocks and remembers each segment's keys under
     (key of the block before it, block size, xxh3-64 of its tokens): the previous key stands for
     the whole prefix before the segment, exactly as in the chain itself, so a segment is found
-    only after the very same prefix. Only the blocks past the last whole segment are keyed one by
-    one (~16 µs a request for an 8k-token chat, against ~100 uncached).
+    only after the very same prefix.
+
+    Segments come in three sizes, each looked up before the next smaller one: groups of ``group``
+    segments (a 128k-token chat is ~7 group lookups and a few segment lookups, not 125), the
+    segments, and eighths of a segment for what is left (a 1k-token chat: 7 lookups and at most 7
+    blocks keyed one by one, not 62). A piece missed is keyed from the next smaller size's pieces,
+    which are found or keyed in turn.
 
     Results always equal ``block_keys`` (a property test checks it). Memory is bounded by
-    ``max_segments`` (LRU), about ``8 * segment_blocks + 120`` bytes each (~20 MB by default).
-    Not thread-safe: the gateway calls it from its event loop only.
+    ``max_segments`` (LRU) per size, ``max_segments // group`` for groups: about ``8 *
+    segment_blocks + 120`` bytes a segment (~20 MB by default), as much again for the groups, and
+    a quarter of it for the eighths. Not thread-safe: the gateway calls it from its event loop only.
     """
 
-    __slots__ = ("segment_blocks", "max_segments", "_segments", "hits", "misses")
+    __slots__ = ("segment_blocks", "max_segments", "group", "_levels", "hits", "misses")
 
-    def __init__(self, *, segment_blocks: int = 64, max_segments: int = 32768) -> None:
-        if segment_blocks <= 0 or max_segments <= 0:
-            raise ValueError("segment_blocks and max_segments must be positive")
+    def __init__(self, *, segment_blocks: int = 64, max_segments: int = 32768, group: int = 16) -> None:
+        if segment_blocks <= 0 or max_segments <= 0 or group <= 1:
+            raise ValueError("segment_blocks and max_segments must be positive, group above 1")
         self.segment_blocks = segment_blocks
         self.max_segments = max_segments
-        self._segments: OrderedDict[tuple[int, int, int], array] = OrderedDict()
+        self.group = group
+        sizes = [(segment_blocks * group, max(max_segments // group, 1)), (segment_blocks, max_segments)]
+        if segment_blocks % 8 == 0 and segment_blocks > 8:
+            sizes.append((segment_blocks // 8, max_segments))
+        # (blocks a piece, most pieces kept, the pieces: (parent key, stride, xxh3 of tokens) -> keys)
+        self._levels: list[tuple[int, int, OrderedDict[tuple[int, int, int], array]]] = [
+            (blocks, most, OrderedDict()) for blocks, most in sizes
+        ]
         self.hits = 0
         self.misses = 0
+
+    @property
+    def _segments(self) -> OrderedDict[tuple[int, int, int], array]:
+        """The pieces of ``segment_blocks`` blocks."""
+        return self._levels[1][2]
 
     def block_keys(self, token_ids: Sequence[int] | np.ndarray, *, block_size: int, seed: int) -> np.ndarray:
         """``block_keys`` as a read-only uint64 array (the directory samples and packs it vectorised)."""
         arr = _as_u32(token_ids, block_size)
         n_full = len(arr) // block_size
         data = memoryview(np.ascontiguousarray(arr[: n_full * block_size])).cast("B")  # no copy
-        seg = self.segment_blocks * block_size * 4
         stride = block_size * 4
-        segments = self._segments
-        digest = xxhash.xxh3_64_intdigest
         out = array("Q")
         parent = seed
-        for end in range(seg, len(data) + 1, seg):
-            chunk = data[end - seg : end]
-            ident = (parent, block_size, digest(chunk))
-            cached = segments.get(ident)
-            if cached is not None:
-                self.hits += 1
-                segments.move_to_end(ident)
-            else:
-                self.misses += 1
-                cached = segments[ident] = array("Q", _chain(chunk, stride, parent))
-                if len(segments) > self.max_segments:
-                    segments.popitem(last=False)
-            out.extend(cached)
-            parent = cached[-1]
-        tail = len(data) - len(data) % seg
-        if tail < len(data):
-            out.extend(_chain(data[tail:], stride, parent))
-        keys = np.frombuffer(out, dtype=np.uint64) if out else np.zeros(0, dtype=np.uint64)
-        keys.setflags(write=False)
-        return keys
+        pos = 0
+        for level, (blocks, _, _) in enumerate(self._levels):
+            size = blocks * stride
+            while pos + size <= len(data):
+                keys = self._piece(level, data, pos, parent, stride)
+                out.extend(keys)
+                parent = keys[-1]
+                pos += size
+        if pos < len(data):
+            out.extend(_chain(data[pos:], stride, parent))
+        keys_out = np.frombuffer(out, dtype=np.uint64) if out else np.zeros(0, dtype=np.uint64)
+        keys_out.setflags(write=False)
+        return keys_out
+
+    def _piece(self, level: int, data: memoryview, pos: int, parent: int, stride: int) -> array:
+        """Keys of the level's piece at ``pos``, chained from ``parent``: found, or keyed and kept."""
+        blocks, most, pieces = self._levels[level]
+        size = blocks * stride
+        chunk = data[pos : pos + size]
+        ident = (parent, stride, xxhash.xxh3_64_intdigest(chunk))
+        cached = pieces.get(ident)
+        if cached is not None:
+            self.hits += 1
+            pieces.move_to_end(ident)
+            return cached
+        if level + 1 < len(self._levels):
+            cached = array("Q")
+            sub = self._levels[level + 1][0] * stride
+            for start in range(pos, pos + size, sub):
+                keys = self._piece(level + 1, data, start, parent, stride)
+                cached.extend(keys)
+                parent = keys[-1]
+        else:
+            self.misses += 1
+            cached = array("Q", _chain(chunk, stride, parent))
+        pieces[ident] = cached
+        if len(pieces) > most:
+            pieces.popitem(last=False)
+        return cached

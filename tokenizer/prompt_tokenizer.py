@@ -104,11 +104,14 @@ def _continue_final_message(template: ChatTemplate, prompt: ChatPrompt) -> str:
     return rendered[:at].rstrip()
 
 
-def _utf8_len_over(text: str, limit: int) -> bool:
-    """Whether ``text`` is over ``limit`` UTF-8 bytes, without encoding it when the length decides."""
+def _utf8_len_over(text: str, limit: int) -> bool | None:
+    """Whether ``text`` is over ``limit`` UTF-8 bytes when its length in characters decides
+    (``str.isascii`` is a flag read); None when only its encoded length can tell."""
     if len(text) > limit:
         return True
-    return len(text) * 4 > limit and len(text.encode("utf-8", "surrogatepass")) > limit
+    if len(text) * 4 <= limit or text.isascii():
+        return False
+    return None
 
 
 class PromptTokenizer:
@@ -206,9 +209,15 @@ class PromptTokenizer:
         if isinstance(req.prompt, TokenPrompt):
             return PreparedPrompt(req.model, req.cache_salt, req.prompt.token_ids, None)
         text, special = self.prompt_text(req.prompt)
-        if max_text_bytes is not None and _utf8_len_over(text, max_text_bytes):
+        over = False if max_text_bytes is None else _utf8_len_over(text, max_text_bytes)
+        if over:
             raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
-        return PreparedPrompt(req.model, req.cache_salt, None, self._encoder.plan(text, add_special_tokens=special))
+        plan = self._encoder.plan(text, add_special_tokens=special)
+        if over is None and max_text_bytes is not None:  # non-ASCII near the limit: its pieces decide
+            size = plan.text_bytes if plan.text_bytes >= 0 else len(text.encode("utf-8", "surrogatepass"))
+            if size > max_text_bytes:
+                raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
+        return PreparedPrompt(req.model, req.cache_salt, None, plan)
 
     def complete(self, prepared: PreparedPrompt) -> TokenizedPrompt:
         """The prepared prompt's token IDs, encoding what the cache missed here and now."""

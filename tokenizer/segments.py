@@ -202,6 +202,10 @@ class AddedTokenSplitter:
         if self.enabled and self_check:
             self._self_check(tokenizer)
 
+    def token_utf8_lengths(self) -> dict[int, int]:
+        """UTF-8 length of each added token's text, by ID (what ``split`` emits as an int)."""
+        return {t.id: len(word.encode("utf-8")) for table in (self._raw, self._normalized) for word, t in table.items()}
+
     def split(self, text: str) -> list[str | int]:
         """Pieces of ``text`` in order; never an empty string. Disabled: ``[text]``."""
         if not self.enabled:

@@ -25,6 +25,9 @@ much cheaper (it holds the new prompt, or the session's node is queued) still wi
 A node that joined the fleet less than ``warmup_s`` ago gets a credit on its pull option while it
 carries less than its share (``gateway.policy.warmup``): scale-out takes conversations to the new
 node with their prefixes, bounded by a share of its link.
+
+A session that asked for long retention (``RoutingRequest.retention``) weighs more:
+``session_slack_long`` (100%: up to twice the cheapest).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ LINKS = ("rdma", "tcp")
 DEFAULT_MIN_PULL_BLOCKS = 8  # 128 tokens at block size 16: a few ms of prefill, not worth a transfer
 DEFAULT_TIE_TOLERANCE_S = 0.001
 DEFAULT_SESSION_SLACK = 0.25
+DEFAULT_SESSION_SLACK_LONG = 1.0
 
 
 class KvgatePolicy:
@@ -73,6 +77,7 @@ class KvgatePolicy:
         warmup_link_share: float = DEFAULT_WARMUP_LINK_SHARE,
         disaggregate: bool = True,
         split_ttft_slack: float = DEFAULT_TTFT_SLACK,
+        session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -88,6 +93,8 @@ class KvgatePolicy:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
         if not split_ttft_slack >= 0:
             raise ValueError(f"split_ttft_slack must be >= 0, got {split_ttft_slack!r}")
+        if not session_slack_long >= session_slack:
+            raise ValueError(f"session_slack_long must be >= session_slack ({session_slack}), got {session_slack_long!r}")
         self.name = name
         self.link = link
         self.allow_pull = bool(allow_pull)
@@ -100,6 +107,7 @@ class KvgatePolicy:
         self.warmup = WarmUp(warmup_s, warmup_credit, warmup_link_share)  # scale-out: new nodes are warmed
         self.disaggregate = bool(disaggregate)  # may split a request over a (prefill, decode) pair (gateway.policy.disagg)
         self.split_ttft_slack = float(split_ttft_slack)
+        self.session_slack_long = float(session_slack_long)
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -119,7 +127,8 @@ class KvgatePolicy:
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, credits)
-        kept = keep_session(top, costs, nodes, request.session_node, self.session_slack, tol)
+        slack = self.session_slack_long if request.retention == "long" else self.session_slack
+        kept = keep_session(top, costs, nodes, request.session_node, slack, tol)
         if kept is not None:
             top = [kept] + [i for i in top if i != kept]
         chosen_i = top[0]
