@@ -10,8 +10,10 @@ node told to pull from an endpoint outside its fleet refuses without contacting 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
+import logging
 import os
 import time
 
@@ -220,5 +222,21 @@ async def test_no_port_of_an_agent_serves_a_block_without_the_secret() -> None:
             async with signed(s, "POST", ep, "/kv/read", read) as r:  # the lease's holder reads its block
                 assert r.status == 200 and await r.read() == first
         assert owner.stats.unauthenticated == 1 and owner.stats.refused_reads == 2
+    finally:
+        await owner.close()
+
+
+async def test_with_a_mooncake_backend_the_data_port_still_serves_anyone_and_says_so(caplog) -> None:
+    """What an operator choosing ``--transfer-backend mooncake-tcp`` keeps: Mooncake's own ports
+    still serve every block to a stranger (the attack above, unchanged), and the agent says so in
+    a warning at start. If a Mooncake release closes this, this test fails: drop the warning."""
+    with caplog.at_level(logging.WARNING, logger="workers.transfer.mooncake_backend"):
+        owner, _, chain = await in_process_owner(backend="mooncake-tcp")
+    try:
+        assert "serve this node's KV blocks to anyone" in caplog.text
+        session = (await health(owner.endpoint))["backend"]["session"]
+        first = owner.slots.view(owner.slots.slot_of(chain[0])).tobytes()
+        stolen = await asyncio.to_thread(_steal_through_mooncake, session, owner.slots.nbytes)
+        assert stolen is not None and first in stolen
     finally:
         await owner.close()
