@@ -382,11 +382,12 @@ def test_turning_persistence_on_replaces_the_statefulset_instead_of_failing(char
 
 def test_gitops_renders_use_an_existing_secret(chart: Any) -> None:
     """Under `helm template` (GitOps) no cluster is looked up, so a generated password changes on
-    every render; with redis.bundled.existingSecret nothing is generated and every consumer
-    reads that Secret."""
+    every render; with redis.bundled.existingSecret and gateway.callerToken.existingSecret
+    nothing is generated and every consumer reads those Secrets."""
     first, second = (one(render(chart, BASE), "Secret", "-redis")["data"]["password"] for _ in range(2))
     assert first != second  # what GitOps would see: hence existingSecret
-    docs = render(chart, _with(redis={"bundled": {"existingSecret": "kvgate-redis-auth"}}))
+    docs = render(chart, _with(redis={"bundled": {"existingSecret": "kvgate-redis-auth"}},
+                               gateway={"callerToken": {"existingSecret": "kvgate-caller"}}))  # fmt: skip
     assert not [d for d in docs if d["kind"] == "Secret"]
     refs = {e["valueFrom"]["secretKeyRef"]["name"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
             for c in d["spec"]["template"]["spec"]["containers"] for e in c.get("env", []) if e["name"] == "REDIS_PASSWORD"}  # fmt: skip

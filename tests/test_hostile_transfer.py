@@ -10,8 +10,10 @@ node told to pull from an endpoint outside its fleet refuses without contacting 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
+import logging
 import os
 import time
 
@@ -149,18 +151,18 @@ def test_the_replay_cache_is_bounded_and_forgets_with_the_window() -> None:
     assert cache.admit("d") is True and len(cache) == 1
 
 
-def _listening_ports() -> set[int]:
-    """TCP ports this process listens on (its sockets in /proc/net/tcp{,6} in state LISTEN)."""
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on (its sockets in /proc/<pid>/net/tcp{,6} in state LISTEN)."""
     inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
+    for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     ports = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
         with open(table) as f:
             for line in f.readlines()[1:]:
                 cols = line.split()
@@ -196,12 +198,12 @@ async def test_no_port_of_an_agent_serves_a_block_without_the_secret() -> None:
     transport) an agent listens on its control port only, and block bytes come only from a signed
     ``/kv/read`` of a lease the reader itself holds: a stranger gets 401, another fleet peer 403,
     an address outside the lease 403, and none of them a byte."""
-    before = _listening_ports()
+    before = listening_ports(os.getpid())
     owner, holder, chain = await in_process_owner()
     ep = owner.endpoint
     first = owner.slots.view(owner.slots.slot_of(chain[0])).tobytes()
     try:
-        assert _listening_ports() - before == {int(ep.rsplit(":", 1)[1])}
+        assert listening_ports(os.getpid()) - before == {int(ep.rsplit(":", 1)[1])}
         descriptor = (await health(ep))["backend"]
         if "session" in descriptor:
             assert _steal_through_mooncake(descriptor["session"], owner.slots.slot_size) != first
@@ -220,5 +222,21 @@ async def test_no_port_of_an_agent_serves_a_block_without_the_secret() -> None:
             async with signed(s, "POST", ep, "/kv/read", read) as r:  # the lease's holder reads its block
                 assert r.status == 200 and await r.read() == first
         assert owner.stats.unauthenticated == 1 and owner.stats.refused_reads == 2
+    finally:
+        await owner.close()
+
+
+async def test_with_a_mooncake_backend_the_data_port_still_serves_anyone_and_says_so(caplog) -> None:
+    """What an operator choosing ``--transfer-backend mooncake-tcp`` keeps: Mooncake's own ports
+    still serve every block to a stranger (the attack above, unchanged), and the agent says so in
+    a warning at start. If a Mooncake release closes this, this test fails: drop the warning."""
+    with caplog.at_level(logging.WARNING, logger="workers.transfer.mooncake_backend"):
+        owner, _, chain = await in_process_owner(backend="mooncake-tcp")
+    try:
+        assert "serve this node's KV blocks to anyone" in caplog.text
+        session = (await health(owner.endpoint))["backend"]["session"]
+        first = owner.slots.view(owner.slots.slot_of(chain[0])).tobytes()
+        stolen = await asyncio.to_thread(_steal_through_mooncake, session, owner.slots.nbytes)
+        assert stolen is not None and first in stolen
     finally:
         await owner.close()

@@ -24,9 +24,10 @@ from directory_client import open_directory
 from directory_client.types import NodeInfo
 from tests.chaos.conftest import ROWS
 from tests.chaos.harness import ChaosFleet
-from tests.chaos.load import Row, SteadyLoad, between
+from tests.chaos.load import Row, SteadyLoad, between, by_cache_ratio
 from tests.chaos.test_chaos import WARM_S, finish
 from tests.support.http import eventually, request
+from tests.test_hostile_transfer import listening_ports
 from workers.transfer.auth import PeerAuth
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.chaos]
@@ -45,20 +46,6 @@ def metric(url: str, name: str) -> float:
     """A counter's value (summed over its samples) from a /metrics page."""
     _, _, raw = request(url)
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in raw.decode().splitlines() if ln.startswith(name) and not ln.startswith("#"))
-
-
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports process ``pid`` listens on."""
-    inodes = {os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{pid}/fd")
-              if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")}  # fmt: skip
-    ports = set()
-    for table in (f"/proc/{pid}/net/tcp", f"/proc/{pid}/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 async def ext_proc_without_token(port: int) -> bool:
@@ -140,6 +127,7 @@ def test_attacks_fail_closed_while_clients_see_nothing(fleet: ChaosFleet) -> Non
     eventually(lambda: sum(metric(f"http://127.0.0.1:{r.admin_port}/metrics", "kvgate_untrusted_nodes_total")
                            for r in fleet.replicas) >= 1, timeout_s=10)  # fmt: skip
 
+    time.sleep(WARM_S)  # the rogue stays registered (and idle) while the load goes on
     t1 = time.monotonic()
     samples = finish(fleet, load)
     records = fleet.access_records()
@@ -149,7 +137,9 @@ def test_attacks_fail_closed_while_clients_see_nothing(fleet: ChaosFleet) -> Non
     assert not any(str(rec.get(k) or "").startswith("169.254.") for rec in records.values() for k in ("dest", "upstream"))
     window = between(samples, t0, t1)
     ROWS.append(Row("attacks: token-less ext_proc, transfer, paths, rogue node", requests=len(window),
-                    failed=sum(not s.ok for s in window), retried=sum(s.attempts > 1 for s in window)))  # fmt: skip
+                    failed=sum(not s.ok for s in window), retried=sum(s.attempts > 1 for s in window),
+                    by_cache_before=by_cache_ratio(between(samples, t0 - WARM_S, t0)),
+                    by_cache_after=by_cache_ratio(window)))  # fmt: skip
     assert window and all(s.ok for s in window), [s for s in window if not s.ok][:5]
 
 
