@@ -6,7 +6,9 @@ sends the whole buffered body; we answer the body with the routing headers and
 keeps the stream open until the HTTP exchange ends (measured: the stream's EOF arrives after the
 upstream response completes, or when the client goes away), so the end of the stream is where
 the node's load reservation is released — no response phase is needed, which would cost
-~0.5 ms a request (measured here with Envoy 1.40).
+~0.5 ms a request (measured here with Envoy 1.40). Only a sampled share of requests
+(``usage_sample``) asks Envoy, for itself alone, for its answer's body, to read the engine's
+``cached_tokens`` (``ext_proc.usage``).
 
 Why the server is written this way (measured against grpc.aio with async iterators, a threaded
 server and grpclib, each slower): the gRPC per-stream overhead dominates, so the handler uses
@@ -117,14 +119,17 @@ class ExtProcService:
         end = "ok"
         seen_status = False
         tail = UsageTail() if self.usage_sample and random.random() < self.usage_sample else None
+        sampled = tail is not None
         try:
-            result = await self._exchange(context, observe_usage=tail is not None)
+            result = await self._exchange(context, observe_usage=sampled)
             # Wait for Envoy to close the stream: that is the end of the HTTP exchange. With
             # response headers sent (EnvoySettings.observe_responses, or asked for the prediction
             # headers) the node's answer is seen.
             while (msg := await context.read()) is not grpc.aio.EOF:
                 if msg.HasField("response_headers"):
-                    seen_status = self.observing = True
+                    seen_status = True
+                    if not sampled:  # not asked for by this stream's own override: Envoy's config sends them
+                        self.observing = True
                     self._outcome(result, _header_map(msg.response_headers).get(":status", ""))
                     await context.write(prediction_response(result))
                 elif msg.HasField("response_body"):
@@ -146,7 +151,8 @@ class ExtProcService:
             metrics.EXT_PROC_STREAMS.labels(end).inc()
             if tail is not None and tail.fed:  # Envoy ended the stream without marking the body's end
                 record_usage(result, tail)
-            if end == "ok" and result is not None and self.health is not None and self.observing and not seen_status:
+            asked = sampled or self.observing  # the response headers were due on this stream
+            if end == "ok" and result is not None and self.health is not None and asked and not seen_status:
                 self._outcome(result, "reset")  # routed, but no answer ever came back
             if result is not None:
                 # Shielded: the release must happen even when Envoy cancels the stream.

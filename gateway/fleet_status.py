@@ -64,7 +64,7 @@ class FleetSnapshot:
         }
 
 
-_BRIDGE_FIELDS = ("connected", "registered", "writer", "degraded", "engine_block_size", "batches", "gaps_repaired",
+_BRIDGE_FIELDS = ("connected", "registered", "writer", "authoritative", "degraded", "engine_block_size", "batches", "gaps_repaired",
                   "gaps_unrecoverable", "resets", "dropped_blocks", "malformed_batches", "replay_failures",
                   "directory_errors")  # fmt: skip
 

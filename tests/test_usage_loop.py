@@ -104,3 +104,23 @@ def test_kvgate_records_what_the_client_saw(gateway: Gateway) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert last["kvgate_node_observed_responses_total"] == after["kvgate_node_observed_responses_total"]
+
+
+class HalfSampledFleet(LocalFleet):
+    def serve_settings(self) -> dict[str, object]:
+        return {"usage_sample": 0.5, "engine_scrape_interval_s": 0}
+
+
+def test_streams_not_sampled_are_never_counted_as_resets(tmp_path: Path) -> None:
+    """A sampled stream asks Envoy for its response headers itself; before, that taught kvgate
+    that every stream gets them, so each unsampled answer counted as a reset against its node
+    (5 in a row eject a healthy node)."""
+    with HalfSampledFleet(FleetOptions(nodes=2, model=MODEL, time_scale=0), tmp_path) as fleet:
+        with fleet.gateway("kvgate", policy="kvgate") as gw:
+            for i in range(24):
+                _post(gw, {"model": MODEL, "prompt": f"request {i} " * 40, "max_tokens": 2})
+            assert gw.metrics_url is not None
+            text = http(gw.metrics_url)[1].decode()
+    read = counter_value(text, "kvgate_node_observed_responses")
+    assert 0 < read < 24  # some answers were sampled, some not
+    assert counter_value(text, "kvgate_node_failures") == 0 and counter_value(text, "kvgate_node_ejections") == 0

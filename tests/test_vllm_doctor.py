@@ -104,3 +104,43 @@ async def test_a_node_named_with_another_model_is_degraded(fleet: VllmFleet, cap
     assert doctor["check"] == "model name" and doctor["degraded"] is True, doctor
     assert f"node serves ['{MODEL}'], kvgate keys its blocks as 'other'" == doctor["detail"], doctor
     assert ready["degraded_nodes"][node_id].startswith("doctor model name"), ready
+
+
+def test_answers_read_through_envoy_report_what_vllm_cached(fleet: VllmFleet) -> None:
+    """The closed loop from responses on real vLLM: through Envoy + ``kvgate serve`` (``usage_sample:
+    1``), the cached_tokens kvgate reads from each answer equal what the client saw, in a JSON body
+    and in the last chunk of a stream with ``include_usage``; kvgate predicted the hits it got."""
+    from loadtest.local_fleet import http
+    from loadtest.prom import counter_value
+
+    def post(gw_url: str, body: dict) -> bytes:
+        req = urllib.request.Request(gw_url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.read()
+
+    def observed(metrics_url: str) -> tuple[float, float, float]:
+        text = http(metrics_url)[1].decode()
+        return tuple(counter_value(text, n) for n in (  # type: ignore[return-value]
+            "kvgate_node_observed_responses", "kvgate_node_observed_cached_tokens", "kvgate_node_observed_expected_cached_tokens"))
+
+    fleet.serve_extra["usage_sample"] = 1.0
+    body = {"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "system", "content": "You answer briefly. " * 40}, {"role": "user", "content": "closed loop check " * 20}]}
+    with fleet.gateway("kvgate", policy="kvgate") as gw:
+        assert gw.metrics_url is not None
+        seen = 0
+        for _ in range(2):
+            seen += json.loads(post(gw.url, body))["usage"]["prompt_tokens_details"]["cached_tokens"]
+            time.sleep(1.0)  # the engine's KV events reach kvgate
+        stream = post(gw.url, {**body, "stream": True, "stream_options": {"include_usage": True}}).decode()
+        last = [json.loads(line[6:]) for line in stream.splitlines() if line.startswith("data: {")][-1]
+        seen += last["usage"]["prompt_tokens_details"]["cached_tokens"]
+        deadline = time.monotonic() + 10
+        while (got := observed(gw.metrics_url))[0] < 3:
+            assert time.monotonic() < deadline, got
+            time.sleep(0.1)
+    answers, delivered, predicted = got
+    print(f"\nreal vLLM: 3 answers read, delivered {delivered:.0f} cached tokens, kvgate predicted {predicted:.0f}")
+    assert answers == 3 and delivered == seen and seen >= 2 * BLOCK_SIZE
+    assert 0 < predicted <= delivered

@@ -32,8 +32,10 @@ What it guarantees (and what it does not):
   is the engine's whole life and *replaces* the node's entries in one step (``replace_node``:
   lookups never see it half written; an engine restart's stale entries go); if it does not (a
   long-running engine; vLLM keeps 10,000 batches) what the map lacks cannot be proven gone, so
-  the map is *added* to the entries already there (kept until the engine evicts what we can key,
-  clears its cache, or restarts). ``AllBlocksCleared`` and a sequence number that goes backwards
+  the map is *added* to the entries already there and the node is **partially known**
+  (``kvgate_bridge_node_partially_known``): those older entries stay until ``unproven_ttl_s``
+  (30 min), then the node is rewritten from the map alone — an engine may have evicted them while
+  no bridge listened, and their removals can never be keyed. ``AllBlocksCleared`` and a sequence number that goes backwards
   on one connection (the engine restarted) do clear the node.
 * **Liveness follows the engine.** The node is registered and heartbeated only while the bridge
   holds a live ZMQ connection to its publisher: one whose ZMTP handshake completed and whose ZMTP
@@ -156,6 +158,12 @@ REPLAY_FAILURES = Counter(
 )
 UNKNOWN_TOPICS = Counter(
     "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
+)
+PARTIALLY_KNOWN = Gauge(
+    "kvgate_bridge_node_partially_known",
+    "1 while the node's entries include some written before the engine's replay window (not proven by this "
+    "bridge; dropped after unproven_ttl_s unless the node is replayed from seq 0)",
+    ["node"],
 )
 WRITER = Gauge(
     "kvgate_bridge_writer", "1 while this bridge holds the node's writer lease (0: another replica writes it)", ["node"]
@@ -601,6 +609,7 @@ class _Stream:
     degraded: dict[str, str] = field(default_factory=dict)  # reason -> detail; entries withheld
     engine_block_size: int | None = None
     replay_retry_at: float = 0.0  # monotonic time of the next catch-up try while replay fails
+    unproven_since: float | None = None  # monotonic time entries we cannot prove were merged into the node
     withdraw: bool = False  # the engine went away while we wrote it: retire the node
     rewrite_all: bool = False  # the directory may lack our writes: rewrite the node from `blocks`
     directory_down: bool = False  # for logging the outage once, not per failed call
@@ -641,6 +650,7 @@ class KVEventBridge:
         max_batch_bytes: int = 16 << 20,
         replay_retry_s: float = 30.0,
         collector: str | None = None,
+        unproven_ttl_s: float = 1800.0,
     ) -> None:
         for spec in engines:
             check_node_id(spec.node_id)
@@ -661,6 +671,9 @@ class KVEventBridge:
         self._flush_max_keys = flush_max_keys
         self._replay_timeout_s = replay_timeout_s
         self._replay_retry_s = replay_retry_s
+        if unproven_ttl_s <= 0:
+            raise ValueError("unproven_ttl_s must be positive")
+        self._unproven_ttl_s = unproven_ttl_s
         self._block_size = block_size
         if engine_timeout_s <= 0:
             raise ValueError("engine_timeout_s must be positive")
@@ -745,7 +758,7 @@ class KVEventBridge:
                         await self._directory.release_writer(st.spec.node_id, self._owner)
             except Exception as exc:  # closing must finish; the TTL retires what we could not
                 log.warning("node %s: final flush/deregister failed: %r", st.spec.node_id, exc)
-            for gauge, labels in [(g, (st.spec.node_id,)) for g in (TRACKED_BLOCKS, WRITER, ENGINE_BLOCK_SIZE)] + [
+            for gauge, labels in [(g, (st.spec.node_id,)) for g in (TRACKED_BLOCKS, WRITER, ENGINE_BLOCK_SIZE, PARTIALLY_KNOWN)] + [
                 (DEGRADED, (st.spec.node_id, reason)) for reason in ("block_size", "replay")
             ]:
                 with contextlib.suppress(KeyError):
@@ -1163,10 +1176,12 @@ class KVEventBridge:
             snapshot = st.blocks.snapshot()
             if st.authoritative:
                 await self._directory.replace_node(node, snapshot)
+                self._set_partially_known(st, False)
             else:  # the map lacks the engine's older history: add to what the directory has
                 for tier, keys in snapshot.items():
                     for i in range(0, len(keys), self._WRITE_CHUNK):
                         await self._directory.record_stored(node, keys[i : i + self._WRITE_CHUNK], tier)
+                self._set_partially_known(st, True)
             st.rewrite_all = False
             st.liveness_changed.set()  # registration waits for the rewrite
             log.info(
@@ -1205,6 +1220,28 @@ class KVEventBridge:
             st.registered = False
         self._set_writer(st, held)
 
+    def _set_partially_known(self, st: _Stream, partial: bool) -> None:
+        if partial and st.unproven_since is None:
+            st.unproven_since = time.monotonic()
+        elif not partial:
+            st.unproven_since = None
+        PARTIALLY_KNOWN.labels(st.spec.node_id).set(1 if partial else 0)
+
+    def _expire_unproven(self, st: _Stream) -> None:
+        """Entries merged from before the engine's replay window, never proven since, go after
+        ``unproven_ttl_s``: the engine may have evicted them while no bridge listened, and their
+        removal can never reach us (we cannot map hashes we never saw stored). From then on the
+        node holds exactly what this bridge has seen: it may under-report, never over-report."""
+        if st.unproven_since is None or time.monotonic() - st.unproven_since < self._unproven_ttl_s:
+            return
+        log.info(
+            "node %s: entries from before the engine's replay window unproven for %.0f s: dropping them, "
+            "keeping the %d keys seen since", st.spec.node_id, self._unproven_ttl_s, st.blocks.key_count,
+        )  # fmt: skip
+        st.authoritative = True
+        st.rewrite_all = True
+        st.dirty.set()
+
     def _set_writer(self, st: _Stream, writer: bool) -> None:
         st.writer = writer
         WRITER.labels(st.spec.node_id).set(1 if writer else 0)
@@ -1214,6 +1251,8 @@ class KVEventBridge:
             if st.connected:
                 try:
                     await self._hold_lease(st)
+                    if st.writer and not st.authoritative:
+                        self._expire_unproven(st)
                     # a collected node's liveness is the static fleet's health checks: we cannot
                     # see its socket, so we only write its entries
                     if st.writer and not st.spec.collected:

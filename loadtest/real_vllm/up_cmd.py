@@ -44,6 +44,8 @@ def run(args: argparse.Namespace) -> int:
                  "replay_endpoint": f"tcp://127.0.0.1:{w.replay_port}"}
                 for w in fleet.workers
             ],
+            "doctor": {"interval_s": 600},  # each node's canary check at start and every 10 min
+            "usage_sample": 0.05,  # read cached_tokens from 5% of the answers (ext_proc)
         }
         print(yaml.safe_dump(config, sort_keys=False), flush=True)
         print("engines ready; Ctrl-C stops them", flush=True)
