@@ -10,7 +10,9 @@ Definitions:
 - ``imbalance`` = max ÷ mean over nodes of busy time (modelled GPU seconds; request counts when
   busy time is not known), 1.0 = perfectly even;
 - ``hit_rate_of_oracle_pool`` = hit rate ÷ the ``oracle_pool`` ceiling's hit rate in the same run
-  (simulate, when that ceiling ran).
+  (simulate, when that ceiling ran);
+- ``request_table``: every successful request as one row of ``REQUEST_COLUMNS`` (what
+  ``kvgate profile fit`` prices a profile from).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 from loadtest.records import RequestRecord
 
 PCTS = (50, 90, 99)
+REQUEST_COLUMNS = ("prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms", "e2e_ms")
 
 
 def _pcts_ms(values: Sequence[float]) -> dict[str, float | None]:
@@ -112,10 +115,20 @@ def summarize(
         "per_node_busy_s": dict(sorted(busy.items())),
         "decision_p50_ms": (decision_ms or {}).get("p50"),
         "decision_p99_ms": (decision_ms or {}).get("p99"),
+        "request_table": request_table(ok),
     }
     if extra:
         out.update(extra)
     return out
+
+
+def request_table(ok: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Successful requests with a first token, one compact row each (times in ms, 0.01 ms steps)."""
+    rows = [
+        [r.prompt_tokens, r.cached_tokens, r.output_tokens, round(r.ttft_s * 1000, 2), round(r.e2e_s * 1000, 2)]
+        for r in ok if r.ttft_s is not None and r.e2e_s is not None
+    ]
+    return {"columns": list(REQUEST_COLUMNS), "rows": rows}
 
 
 def add_pool_share(policies: Mapping[str, dict[str, Any]], ceiling: str = "oracle_pool") -> None:

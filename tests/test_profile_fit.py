@@ -3,12 +3,14 @@ clearly what is missing when it cannot."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
 from gateway.cli import main
 from gateway.profile import HardwareProfile, load_profile
-from gateway.profile_fit import FitError, fit_profile, read_metrics
+from gateway.profile_fit import FitError, fit_profile, read_metrics, read_results
 
 BASE = load_profile("llama-3.1-8b-h100")
 
@@ -85,3 +87,33 @@ def test_the_command_writes_a_profile_kvgate_loads(tmp_path) -> None:
     assert main(["profile", "fit", str(src), "--name", "fleet-a", "--out", str(out)]) == 0
     loaded = load_profile(str(out))
     assert loaded.name == "fleet-a" and yaml.safe_load(out.read_text())["sources"]
+
+
+def test_a_load_tests_results_price_the_fleet_that_served_them(tmp_path) -> None:
+    """Simulated engines run at half the base's prefill speed and twice its decode step; a light
+    run's results JSON gives those speeds back through ``kvgate profile fit``."""
+    truth = BASE.model_copy(update={
+        "name": "truth", "prefill_tokens_per_s": BASE.prefill_tokens_per_s / 2,
+        **{k: getattr(BASE, k) * 2 for k in ("decode_step_base_s", "decode_step_per_seq_s", "decode_step_per_context_token_s")},
+    })
+    (tmp_path / "truth.yaml").write_text(yaml.safe_dump(truth.model_dump()))
+    results, out = tmp_path / "results.json", tmp_path / "fitted.yaml"
+    assert main(["loadtest", "simulate", "--workload", "trace", "--trace-limit", "80", "--trace-time-scale", "20",
+                 "--nodes", "4", "--profile", str(tmp_path / "truth.yaml"), "--policies", "least_request,oracle",
+                 "--json", str(results)]) == 0
+    assert main(["profile", "fit", str(results), "--name", "fleet-b", "--out", str(out)]) == 0
+    fitted = load_profile(str(out))
+    assert fitted.prefill_tokens_per_s == pytest.approx(truth.prefill_tokens_per_s, rel=0.1)
+    assert fitted.decode_step_base_s == pytest.approx(truth.decode_step_base_s, rel=0.25)
+    assert "80 requests of least_request" in fitted.sources[0]  # the oracle is no real fleet: left out
+
+
+def test_results_without_request_rows_are_refused_with_the_reason(tmp_path, capsys) -> None:
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"kind": "replay", "policies": {"kvgate": {"hit_rate": 0.5, "wall_s": 10}}}))
+    assert main(["profile", "fit", str(old)]) == 2
+    assert "policy 'kvgate' has no request_table" in capsys.readouterr().out
+    assert main(["profile", "fit", str(old), "--policies", "sglang"]) == 2
+    assert "no policy sglang in the results (has kvgate)" in capsys.readouterr().out
+    with pytest.raises(FitError, match="not a kvgate loadtest results file"):
+        read_results([1, 2])

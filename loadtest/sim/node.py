@@ -22,6 +22,7 @@ class SimNode:
     cache: PrefixCache
     scheduler: Scheduler
     step: ScheduledStep | None = None  # the step running now (None: idle)
+    step_seq: int = 0  # queue sequence number of its end event (an older one is stale)
 
     @classmethod
     def build(cls, info: NodeInfo, profile: HardwareProfile, capacity_blocks: int) -> SimNode:

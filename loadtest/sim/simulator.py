@@ -11,7 +11,10 @@ owns only the clock and the event queue:
   request's end), and handed to the chosen node (after the transfer time when it pulls);
 - a node runs one scheduler step at a time; a step's *end* applies it (``Scheduler.complete``),
   records first tokens and finished requests, releases their load, feeds the cache events to the
-  directory, and schedules the session's next turn after its think time.
+  directory, and schedules the session's next turn after its think time. A batch that only
+  decodes runs as one event until a request finishes or needs or fills a block (the scheduler's
+  decode runs), cut short when a request is handed to the node meanwhile: what one event per step
+  would give, with far fewer events (``SimConfig.decode_run_steps=1`` is that reference).
 
 The directory view (``view="directory"``, the default) comes from the real ``InProcessDirectory``
 on the virtual clock, fed by the bridge's event translation (``feed.py``) and with the gateway's
@@ -76,6 +79,7 @@ class SimConfig:
     scale: tuple[ScaleEvent, ...] = ()  # nodes joining and leaving (``loadtest.sim.elastic``)
     drain: bool = False  # leaving nodes are drained first
     policy_options: dict[str, Any] = field(default_factory=dict)
+    decode_run_steps: int = 1 << 20  # decode steps one event may apply (1: one event per engine step)
 
 
 @dataclass(slots=True)
@@ -195,10 +199,11 @@ class Simulator:
             self.elastic.start()
         heap = self._heap
         while heap:
-            t, _, kind, payload = heapq.heappop(heap)
+            t, seq, kind, payload = heapq.heappop(heap)
             self.now = t
             if kind == STEP_END:
-                self._step_end(payload, on_request)
+                if payload.step_seq == seq:  # else a decode run was cut: its end moved
+                    self._step_end(payload, on_request)
             elif kind == ARRIVE:
                 self._arrive(*payload, on_request=on_request)
             elif kind == CALL:
@@ -342,12 +347,18 @@ class Simulator:
         self._pending[ctx.sim.request_id] = ctx
         if node.step is None:
             self._start_step(node)
+        elif node.step.cut(now):  # admitted after the step in progress, not after the whole run
+            self._push_step_end(node, node.step.started_at + node.step.duration_s)
 
     def _start_step(self, node: SimNode) -> None:
-        step = node.scheduler.schedule(self.now)
+        step = node.scheduler.schedule(self.now, max_steps=self.cfg.decode_run_steps)
         node.step = step
         if step is not None:
-            self._push(self.now + step.duration_s, STEP_END, node)
+            self._push_step_end(node, self.now + step.duration_s)
+
+    def _push_step_end(self, node: SimNode, t: float) -> None:
+        self._push(t, STEP_END, node)
+        node.step_seq = self._seq
 
     def _events(self, node: SimNode, events: list[CacheEvent]) -> None:
         if not events:
@@ -385,12 +396,12 @@ class Simulator:
                 if self.elastic is not None:
                     self.elastic.node_idle(node)
                 return
-            step = node.step = node.scheduler.schedule(now)
+            step = node.step = node.scheduler.schedule(now, max_steps=self.cfg.decode_run_steps)
             if step is None:
                 return
             end = now + step.duration_s
             if heap and heap[0][0] <= end:  # something else comes first (or ties, and was queued first)
-                self._push(end, STEP_END, node)
+                self._push_step_end(node, end)
                 return
             self.now = end
 

@@ -2,8 +2,9 @@
 
 Each record has a ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids``: one id
 per 512-token block, chained, so two requests share a k-block prefix exactly when their first k
-ids agree. We turn every id into a fixed block of 512 token IDs drawn from a generator seeded by
-the id, concatenate the blocks and cut to ``input_length``: equal id prefixes give equal token
+ids agree. We turn every id into a fixed block of 512 token IDs, a hash of (id, position) (the
+memory-bound workloads' segment streams, one vectorised call per prompt: drawing a generator per
+block took a sixth of a whole-trace simulation), concatenate the blocks and cut to ``input_length``: equal id prefixes give equal token
 prefixes, different ids give different tokens, and the engine caches exactly what the trace says
 could be cached. Replies are ``output_length`` tokens (``ignore_eos``). Timestamps are multiplied
 by ``time_scale`` (0.1 = ten times the trace's rate).
@@ -18,18 +19,16 @@ import gzip
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 
 from loadtest.workloads.base import RequestSpec, Workload
+from loadtest.workloads.memory_bound import SEGMENT_TOKENS, stream_tokens
 
-TRACE_BLOCK_TOKENS = 512
+TRACE_BLOCK_TOKENS = SEGMENT_TOKENS  # 512, as the trace says
 TRACE_FILE = "mooncake_conversation_trace.jsonl.gz"
-TOKEN_LOW, TOKEN_HIGH = 1_000, 100_000  # ordinary vocabulary ids: no special or byte tokens
-_SEED_SALT = 0x6B766761_74650001  # keeps block seeds apart from other seeded draws
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,22 +60,12 @@ def load_trace(path: str | Path | None = None, *, limit: int | None = None) -> l
     return out
 
 
-@lru_cache(maxsize=32768)  # the trace's prefixes repeat: most blocks are drawn once (~64 MiB at most)
-def block_tokens(hash_id: int) -> np.ndarray:
-    """The 512 token IDs that stand for trace block ``hash_id`` (the same on every call; read-only)."""
-    rng = np.random.Generator(np.random.PCG64(_SEED_SALT ^ hash_id))
-    ids = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=TRACE_BLOCK_TOKENS, dtype=np.uint32)
-    ids.flags.writeable = False
-    return ids
-
-
 def prompt_tokens(record: TraceRecord) -> np.ndarray:
     """The record's prompt: its blocks' tokens, concatenated and cut to ``input_length``."""
     need = -(-record.input_length // TRACE_BLOCK_TOKENS)
     if len(record.hash_ids) < need:
         raise ValueError(f"record has {len(record.hash_ids)} hash ids for {record.input_length} tokens")
-    ids = np.concatenate([block_tokens(h) for h in record.hash_ids[:need]])
-    return ids[: record.input_length]
+    return stream_tokens(record.hash_ids[:need], record.input_length)
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,11 @@ class PrefixCache:
         hashed = len(self._blocks)
         return CacheStats(self.capacity, hashed, self._private, hashed - self._evictable, self._evictable)
 
+    @property
+    def has_events(self) -> bool:
+        """Whether records wait for the next ``drain_events`` (e.g. evictions made by a reservation)."""
+        return bool(self._events)
+
     def blocks(self) -> list[CachedBlock]:
         """Every cached block, parents before children (for ``/debug/blocks``)."""
         return sorted(self._blocks.values(), key=lambda b: b.depth)

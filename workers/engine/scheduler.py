@@ -23,6 +23,14 @@ Policy, as in vLLM V1 (FCFS, chunked prefill always on):
   the front of the queue. No request is admitted in a step that preempted.
 * Full blocks are cached as soon as a step computes them, prompt and reply alike; the last
   sampled token never gets KV (it is never fed back), as in vLLM.
+
+A discrete-event driver may ask for several decode steps at once (``schedule(now, max_steps=k)``):
+a batch that only decodes, and would neither reserve nor cache a block, finish a request, nor
+admit a waiting one before its last step, runs those steps unchanged one after the other, so
+they are one ``ScheduledStep`` of ``steps`` tokens per request, applied at once. Nothing another
+component can see (the cache, the queues) changes before its end; if a request joins the waiting
+queue meanwhile, ``ScheduledStep.cut`` ends the run at the step in progress, where a one-step
+driver would have admitted it. The real-time server runs one step at a time (it streams tokens).
 """
 
 from __future__ import annotations
@@ -108,13 +116,45 @@ class SimRequest:
 
 @dataclass(slots=True)
 class ScheduledStep:
-    """What one step computes: ``(request, tokens)`` pairs, and how long it takes on the hardware."""
+    """What one step computes: ``(request, tokens)`` pairs, and how long it takes on the hardware.
+
+    ``steps`` > 1: a run of identical decode steps (module doc), each request decoding one token
+    per step; the j-th step (1-based) lasts ``first_s + (j - 1) * growth_s`` (its context grows by
+    one token per request), ``duration_s`` is the whole run.
+    """
 
     items: list[tuple[SimRequest, int]]
     duration_s: float
     prefill_tokens: int
     decode_seqs: int
     started_at: float
+    steps: int = 1
+    first_s: float = 0.0
+    growth_s: float = 0.0
+
+    def run_s(self, steps: int) -> float:
+        """Time from the start to the end of the first ``steps`` steps of the run."""
+        return steps * self.first_s + self.growth_s * steps * (steps - 1) / 2
+
+    def cut(self, now: float) -> bool:
+        """End a decode run with the step in progress at ``now`` (a request is waiting to be
+        admitted at the next step boundary); True if the run got shorter."""
+        if self.steps <= 1:
+            return False
+        elapsed = now - self.started_at  # the steps that ended by now: the largest j with run_s(j) <= elapsed
+        lo, hi = 0, self.steps
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.run_s(mid) <= elapsed:
+                lo = mid
+            else:
+                hi = mid - 1
+        keep = min(lo + 1, self.steps)
+        if keep == self.steps:
+            return False
+        self.steps = keep
+        self.duration_s = self.run_s(keep)
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,8 +235,11 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self, now: float) -> ScheduledStep | None:
-        """Choose this step's batch; None when there is nothing to run."""
+    def schedule(self, now: float, *, max_steps: int = 1) -> ScheduledStep | None:
+        """Choose this step's batch; None when there is nothing to run.
+
+        ``max_steps`` > 1 lets a pure decode batch run that many steps at most as one (module doc).
+        """
         bs = self.cache.block_size
         cache = self.cache
         budget = self.max_num_batched_tokens
@@ -268,12 +311,37 @@ class Scheduler:
             decode_seqs=decode_seqs,
             decode_context_tokens=decode_ctx,
         )
-        return ScheduledStep(items, duration, prefill_tokens, decode_seqs, now)
+        step = ScheduledStep(items, duration, prefill_tokens, decode_seqs, now, 1, duration)
+        # a run publishes its cache events at its end: not when this step's reservation evicted
+        if max_steps > 1 and not preempted and not prefill_tokens and not cache.has_events:
+            steps = min(max_steps, self._quiet_decode_steps(items))
+            if steps > 1:
+                step.steps = steps
+                step.growth_s = self.profile.decode_step_per_context_token_s * decode_seqs
+                step.duration_s = step.run_s(steps)
+        return step
+
+    def _quiet_decode_steps(self, items: list[tuple[SimRequest, int]]) -> int:
+        """How many decode steps this batch can run before one of its requests finishes, needs a
+        new block, or caches one (the last step may finish or cache: that happens at its end).
+        Until then the cache is untouched, so nothing a router or an admission sees changes."""
+        bs = self.cache.block_size
+        steps = 1 << 30
+        for r, _ in items:
+            c = r.num_computed  # tokens with KV before this run; the run computes c .. c+steps-1
+            held = len(r.held)
+            quiet = min(r.num_reply - r.generated, (held + r.private) * bs - c)  # no reservation after step 1
+            if held < len(r.hashes):
+                quiet = min(quiet, (held + 1) * bs - c)  # the step completing block held+1 caches it
+            if quiet < steps:
+                steps = quiet
+        return max(steps, 1)
 
     def complete(self, step: ScheduledStep, now: float) -> StepResult:
         """Apply a step at its end time ``now``: KV computed, full blocks cached, tokens sampled."""
         outputs: list[TokenOutput] = []
         finished: list[SimRequest] = []
+        run = step.steps  # decode steps applied at once (1 but for a decode run)
         for r, n in step.items:
             r.in_step = False
             if r.aborted:
@@ -281,8 +349,11 @@ class Scheduler:
                     self._finish(r, now, "abort")
                     finished.append(r)
                 continue
-            r.num_computed += n
+            r.num_computed += n * run
             self._cache_full_blocks(r, now)
+            if run > 1:  # each step of the run sampled one token
+                r.generated += run - 1
+                self.counters.generation_tokens += run - 1
             if r.num_computed == r.known_tokens:
                 r.generated += 1
                 self.counters.generation_tokens += 1
@@ -293,7 +364,7 @@ class Scheduler:
                 if done:
                     self._finish(r, now, r.finish_reason)
                     finished.append(r)
-        self.counters.steps += 1
+        self.counters.steps += step.steps
         self.counters.busy_s += step.duration_s
         return StepResult(outputs, finished, self.cache.drain_events())
 
