@@ -34,6 +34,8 @@ import heapq
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+
 from directory_client.types import DirectoryView, NodeView
 from gateway.policy.cost_model import TtftEstimator
 from gateway.policy.memory import MemoryPricing
@@ -41,6 +43,35 @@ from gateway.profile import HardwareProfile
 from gateway.types import Decision, PrefillPlan, RoutingRequest
 
 DEFAULT_TTFT_SLACK = 0.1  # a split sparing running decodes a long prefill may delay the first token by 10%
+
+
+class FirstTokenTail:
+    """The 99th percentile of the first-token estimates of recent decisions (``window`` of them).
+
+    A split delays a first token by the transfer at least; the fleet's TTFT p99 is made of its
+    slowest first tokens (the longest prompts), so a split whose first token would land beyond the
+    recent p99 is not made: the tail stays where aggregated serving puts it. Until ``warmup``
+    estimates are seen there is no tail (infinite).
+    """
+
+    __slots__ = ("_ring", "_count", "_p99", "warmup", "every")
+
+    def __init__(self, window: int = 1024, *, warmup: int = 64, every: int = 32) -> None:
+        self._ring = np.zeros(window)
+        self._count = 0
+        self._p99 = float("inf")
+        self.warmup = warmup
+        self.every = every
+
+    def observe(self, first_token_s: float) -> None:
+        self._ring[self._count % len(self._ring)] = first_token_s
+        self._count += 1
+        if self._count >= self.warmup and self._count % self.every == 0:
+            self._p99 = float(np.quantile(self._ring[: min(self._count, len(self._ring))], 0.99))
+
+    @property
+    def p99_s(self) -> float:
+        return self._p99
 
 
 def declares_roles(view: DirectoryView) -> bool:
@@ -65,11 +96,13 @@ def split_or_not(
     tie_tolerance_s: float = 0.001,
     memory: MemoryPricing | None = None,
     ttft_slack: float = DEFAULT_TTFT_SLACK,
+    tail_s: float = float("inf"),
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
     A pair qualifies only if its first token comes no later than ``(1 + ttft_slack)`` times the
-    aggregated estimate (plus the tie tolerance). With ``memory``, each side also pays for the
+    aggregated estimate (plus the tie tolerance), nor later than ``tail_s`` (the recent p99 of
+    first tokens, ``FirstTokenTail``) unless aggregated serving is already beyond it. With ``memory``, each side also pays for the
     blocks it adds: the prefill node keeps the prompt's KV, the decode node receives all of it.
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures.
@@ -120,6 +153,7 @@ def split_or_not(
     # give a sooner first token (else it only moves the answer to a less busy decode node).
     stalls = stall_s(agg_nv, own.prefill_s) > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
+    latest_first_token = min(latest_first_token, max(tail_s, own.total_s))  # a split never lengthens the tail
     best = _best_pair(prefill_side, decode_side, transfer, last_token, latest_first_token)
     if best is None:
         return replace(decision, reason=f"{decision.reason}; not split: no pair gives a first token within"
