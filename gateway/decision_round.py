@@ -109,12 +109,16 @@ def decide_round(
     roles = declares_roles(view)
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
     if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split
+        tail = policy.first_token_tail
+        aggregated_ttft = min((c.total_s for c in decision.candidates if decision.node and c.node_id == decision.node.node_id), default=None)
         decision = split_or_not(
             decision, request, view, profile,
             answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
-            ttft_slack=policy.split_ttft_slack,
+            ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s,
         )  # fmt: skip
+        if aggregated_ttft is not None:
+            tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)
     node = decision.node
     if node is None:
         return Round(decision, NodeLoad(), 0, 0.0, 0.0)

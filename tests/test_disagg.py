@@ -195,3 +195,17 @@ async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of
     for r in busy:
         await directory.release(r)
     assert (await directory.loads()).get("d1", NodeLoad()) == NodeLoad()
+
+
+def test_a_split_never_puts_a_first_token_beyond_the_recent_p99() -> None:
+    fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both", inflight=40, queued=2000),
+             node(3, "prefill"), node(4, "decode", inflight=8)]
+    policy = make_policy("kvgate", link="rdma")
+    for _ in range(128):  # recent first tokens all came in 0.5 s; this prompt's takes longer either way
+        policy.first_token_tail.observe(0.5)
+    assert policy.first_token_tail.p99_s == pytest.approx(0.5)
+    view = DirectoryView(tuple(fleet))
+    rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
+    assert rnd.decision.prefill is None, rnd.decision.reason  # splitting would lengthen the tail by the transfer
+    fresh = decide_round(make_policy("kvgate", link="rdma"), request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
+    assert fresh.decision.prefill is not None  # no tail known yet: the slack alone bounds it

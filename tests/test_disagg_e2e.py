@@ -17,7 +17,8 @@ def stack(request, tmp_path_factory, envoy_bin, redis_url):
     s = Stack(
         tmp_path_factory.mktemp("pd"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", request.param,
         roles={"a": "prefill", "b": "decode", "c": "decode"},
-        kvgate_options={"limits": {"max_body_bytes": 256 << 10, "max_answer_tokens": 4096}},
+        # over RDMA: a TCP transfer of a long prompt's KV would nearly double its first token
+        kvgate_options={"limits": {"max_body_bytes": 256 << 10, "max_answer_tokens": 4096}, "policy": {"link": "rdma"}},
     )
     yield s
     s.stop()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "redundant_prefill_frac", "imbalance",
         "errors", "requests", "hit_rate_local", "hit_rate_pulled", "ttft_p90_ms", "ttft_by_turn",
@@ -44,3 +46,34 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
         assert (report / png).stat().st_size > 1000
         assert f'src="{png}"' in html
     assert "round_robin" in proc.stdout and "kvgate" in proc.stdout
+
+
+@pytest.mark.timeout(600)  # three gateways in turn in front of three engines and two sidecars
+def test_replay_a_disaggregated_fleet(tmp_path: Path) -> None:
+    """``--roles 1:2``: n1 prefills only (never answers a request), n2/n3 answer behind their
+    pd-sidecars; kvgate told never to split leaves n1 idle, every answer is whole."""
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "loadtest", "replay",
+        "--workload", "mixed", "--sessions", "6", "--rate", "4", "--seed", "3",
+        "--nodes", "3", "--roles", "1:2", "--link", "rdma", "--time-scale", "0.1",
+        "--policies", "round_robin,kvgate_aggregated,kvgate", "--max-requests", "5", "--duration", "30", "--timeout", "60",
+        "--json", str(out), "--workdir", str(tmp_path / "wd"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["fleet"]["roles"] == "1:2" and data["fleet"]["link"] == "rdma"
+    for name, s in data["policies"].items():
+        assert s["requests"] == 5 and s["errors"] == 0, (name, s["error_examples"])
+        assert s["per_node_requests"].get("n1", 0) == 0, name  # the prefill node never answers
+        assert {"tpot_p50_ms", "tpot_p99_ms", "split_frac"} <= set(s)
+    assert data["policies"]["round_robin"]["split_frac"] == data["policies"]["kvgate_aggregated"]["split_frac"] == 0.0
+    assert (tmp_path / "wd" / "pd-sidecar-n2.log").exists() and not (tmp_path / "wd" / "pd-sidecar-n1.log").exists()
+
+
+def test_replay_roles_must_fit_the_fleet(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "gateway.cli", "loadtest", "replay", "--workload", "mixed", "--nodes", "3",
+           "--roles", "2:2", "--policies", "kvgate", "--workdir", str(tmp_path / "wd")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "roles 2:2 must be at least one of each and add up to 3 nodes" in proc.stdout

@@ -8,7 +8,11 @@ which then runs on the local engine, whose connector fetches the prompt's KV fro
 node (vLLM's NIXL connector, or the simulated engine's transfer agent). Without the header the
 request passes through unchanged.
 
-Faults never reach the client: a prefill node that errs, times out, answers without transfer
+With ``--protocol sglang`` the handshake is SGLang's disaggregation mode instead: the request,
+with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` added, goes to the prefill node and
+to the local decode-mode engine at the same time, and the two meet in that room to move the KV.
+
+Faults never reach the client (nixl): a prefill node that errs, times out, answers without transfer
 parameters or is not in ``--prefiller`` (when given) leaves the request as it came, served whole
 on the local engine, and ``kvgate_pd_sidecar_fallbacks_total{reason}`` counts it. The sidecar's
 own metrics are at ``/pd-sidecar/metrics``; every other path is the engine's.
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import json
 import logging
+import secrets
 from typing import Any
 
 import aiohttp
@@ -49,13 +54,37 @@ class SidecarMetrics:
         )
 
 
-class Sidecar:
-    """Forwards to ``engine`` (a base URL); runs the prefill step for split requests."""
+PROTOCOLS = ("nixl", "sglang")
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
-    def __init__(self, engine: str, *, prefill_timeout_s: float, prefillers: frozenset[str] = frozenset()) -> None:
+
+def sglang_bootstrap(prefiller: str, bootstrap_port: int) -> dict[str, Any]:
+    """The fields SGLang's disaggregation mode reads from a request (its OpenAI ``CompletionRequest``
+    and ``ChatCompletionRequest``): the prefill node's host, its bootstrap server's port, and a
+    room number both nodes meet in (a random 63-bit integer, as SGLang's own router draws it)."""
+    host = prefiller.rsplit(":", 1)[0]
+    return {"bootstrap_host": host, "bootstrap_port": bootstrap_port, "bootstrap_room": secrets.randbits(63)}
+
+
+class Sidecar:
+    """Forwards to ``engine`` (a base URL); runs the prefill step for split requests.
+
+    ``protocol`` is how the prefill node hands over its KV: ``nixl`` (vLLM's ``kv_transfer_params``,
+    the prefill first) or ``sglang`` (SGLang's bootstrap: both nodes get the request at once).
+    """
+
+    def __init__(
+        self, engine: str, *, prefill_timeout_s: float, prefillers: frozenset[str] = frozenset(),
+        protocol: str = "nixl", bootstrap_port: int = DEFAULT_BOOTSTRAP_PORT,
+    ) -> None:  # fmt: skip
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
         self.engine = engine.rstrip("/")
         self.prefill_timeout_s = prefill_timeout_s
         self.prefillers = prefillers
+        self.protocol = protocol
+        self.bootstrap_port = bootstrap_port
+        self._prefills: set[asyncio.Task[None]] = set()  # SGLang prefill calls in flight
         self.metrics = SidecarMetrics()
         self._session: aiohttp.ClientSession | None = None
 
@@ -111,12 +140,53 @@ class Sidecar:
                 body = json.loads(raw)
             except ValueError:
                 body = None  # the engine answers the client's mistake
+            if isinstance(body, dict) and self.protocol == "sglang":
+                return await self.sglang_split(request, prefiller, body, headers)
             if isinstance(body, dict):
                 params = await self.prefill(prefiller, request.path, body, {"content-type": "application/json"})
                 if params is not None:
                     raw = json.dumps({**body, "kv_transfer_params": params}).encode()
                     answer_headers[PREFILLED_BY_HEADER] = prefiller
         return await self.forward(request, raw, headers, answer_headers)
+
+    async def sglang_split(
+        self, request: web.Request, prefiller: str, body: dict[str, Any], headers: dict[str, str]
+    ) -> web.StreamResponse:
+        """SGLang's handshake: the request with the same bootstrap fields goes to the prefill node
+        and to the local (decode-mode) engine at once; the engine's answer is the client's, the
+        prefill node's is read and dropped. A decode-mode engine cannot compute a prompt itself,
+        so there is no whole-request fallback: a failed prefill is counted, and the engine's own
+        bootstrap timeout ends the request."""
+        if self.prefillers and prefiller not in self.prefillers:
+            log.warning("x-prefiller-host-port %r is not a configured prefiller: passed on without bootstrap", prefiller)
+            self.metrics.fallbacks.labels("untrusted_prefiller").inc()
+            return await self.forward(request, json.dumps(body).encode(), headers)
+        split = {**body, **sglang_bootstrap(prefiller, self.bootstrap_port)}
+        raw = json.dumps(split).encode()
+        prefill = asyncio.create_task(self._sglang_prefill(prefiller, request.path, raw))  # ends by its timeout at most
+        self._prefills.add(prefill)
+        prefill.add_done_callback(self._prefills.discard)
+        return await self.forward(request, raw, headers, {PREFILLED_BY_HEADER: prefiller})
+
+    async def _sglang_prefill(self, prefiller: str, path: str, raw: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.prefill_timeout_s):
+                async with self.session.post(
+                    f"http://{prefiller}{path}", data=raw, headers={"content-type": "application/json"}
+                ) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        log.warning("prefill on %s answered %d", prefiller, resp.status)
+                        self.metrics.fallbacks.labels("prefill_error").inc()
+                        return
+        except TimeoutError:
+            self.metrics.fallbacks.labels("prefill_timeout").inc()
+            return
+        except (aiohttp.ClientError, OSError) as e:
+            log.warning("prefill on %s failed (%s)", prefiller, e)
+            self.metrics.fallbacks.labels("prefill_error").inc()
+            return
+        self.metrics.split.inc()
 
     async def forward(
         self, request: web.Request, raw: bytes, headers: dict[str, str], answer_headers: dict[str, str] | None = None
@@ -160,6 +230,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, help="the local engine's base URL, e.g. http://127.0.0.1:8001")
     parser.add_argument("--prefill-timeout-s", type=float, default=30.0, help="a slower prefill is abandoned: serve whole")
     parser.add_argument(
+        "--protocol", choices=PROTOCOLS, default="nixl",
+        help="nixl: vLLM's kv_transfer_params, prefill first (default); sglang: SGLang's bootstrap fields, both at once",
+    )
+    parser.add_argument(
+        "--bootstrap-port", type=int, default=DEFAULT_BOOTSTRAP_PORT,
+        help="with --protocol sglang: the prefill nodes' --disaggregation-bootstrap-port (default 8998)",
+    )
+    parser.add_argument(
         "--prefiller", action="append", default=[], metavar="HOST:PORT",
         help="a prefill node this sidecar may call (repeat); default: whatever x-prefiller-host-port names",
     )
@@ -171,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if not args.prefiller:
         log.warning("no --prefiller given: any x-prefiller-host-port is called; only the gateway may reach this port")
-    sidecar = Sidecar(args.engine, prefill_timeout_s=args.prefill_timeout_s, prefillers=frozenset(args.prefiller))
+    sidecar = Sidecar(args.engine, prefill_timeout_s=args.prefill_timeout_s, prefillers=frozenset(args.prefiller),
+                      protocol=args.protocol, bootstrap_port=args.bootstrap_port)
     print(f"kvgate pd-sidecar on {args.host}:{args.port} -> {args.engine}", flush=True)
     web.run_app(sidecar.app(), host=args.host, port=args.port, print=None)
     return 0

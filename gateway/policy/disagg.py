@@ -3,29 +3,41 @@
 A fleet declares roles (``NodeInfo.role``): ``prefill`` nodes compute prompts and hand their KV
 to a ``decode`` node, ``both`` nodes do either. The policy's aggregated decision (one node serves
 the whole request) is priced against the cheapest (prefill, decode) pair on one scale, the time
-the request costs from now until its last token plus the time its prefill stalls the decodes
-already running where it is computed::
+the request costs from now until its last token, plus the time its prefill stalls the decodes
+already running where it is computed, plus the KV memory it takes::
 
-    aggregated(n)  = ttft(n) + decode(n) + stall(n, prefill on n)
-    split(p, d)    = queue(p) + prefill(p) + transfer(prompt) + queue(d) + decode(d) + stall(p, prefill on p)
+    aggregated(n)  = ttft(n) + memory(n) + decode(n) + stall(n, prefill on n)
+    split(p, d)    = first_token(p, d) + decode(d) + memory(p) + memory(d) + stall(p, prefill on p)
+    first_token    = max(queue(p) + prefill(p) + transfer(prompt), queued prefill on d)
+                     + the step running on d + the prompt's last token, computed on d
 
     decode(n)      = answer budget × decode_step_seconds(running(n) + 1, prompt)
     stall(n, s)    = running decodes on n × (s - prefill overhead - one decode step's base time)
                      (0 on a prefill-only node: nothing decodes there)
 
 ``ttft(n)`` is the policy's own estimate (queue + transfer + prefill of what n lacks); the prefill
-on ``p`` counts ``p``'s own cache; the whole prompt's KV crosses the configured link. The stall
-term is why splitting pays at all: a long prefill computed on a node that is decoding 60 answers
-delays each of them by its length (the time-per-output-token spikes aggregated fleets show),
-while on a prefill node it delays nobody. A short prefill rides in a decode step whose time is
-spent reading the weights anyway (the step's base time): it stalls nobody, so a short prompt is
-never split to spare the decodes. A prompt mostly cached on a decode node has little to
-prefill there, so the transfer of the whole prompt is not worth it and the request stays whole.
+on ``p`` counts ``p``'s own cache; the whole prompt's KV crosses the configured link and lands in
+``d``'s memory (``memory`` prices the blocks each node must evict, ``gateway.policy.memory``). The
+stall term is why splitting pays at all: a long prefill computed on a node that is decoding 60
+answers delays each of them by its length (the time-per-output-token spikes aggregated fleets
+show), while on a prefill node it delays nobody.
 
-The cost separates into a prefill part and a decode part, so the best pair is found in one pass
-(the best two of each side, as a node cannot pair with itself). A split must beat the aggregated
-decision by more than the tie tolerance. Splitting is considered only in a fleet that declared
-roles (some node is not ``both``): an aggregated fleet is routed exactly as before.
+The time to first token bounds which pairs may compete (measured: pricing the stall alone split
+so eagerly that TTFT p99 doubled on two prefill nodes):
+
+- a split sparing the decodes a stall may make the first token ``ttft_slack`` (10%) later than
+  aggregated serving, enough for an RDMA transfer, never for a TCP one of a long prompt (its KV
+  takes about as long to move as to compute);
+- it may never put the first token beyond ``tail_s``, the recent p99 of first tokens
+  (``FirstTokenTail``), unless aggregated serving is already beyond it: a split costs at least
+  its transfer, and the slowest first tokens are the p99;
+- a prefill that stalls nobody (a short prompt rides in a decode step whose time is spent reading
+  the weights anyway) is split only for an earlier first token.
+
+The best pair is among the few soonest or cheapest of each side (a node cannot pair with itself),
+so the search stays linear in the fleet. A split must beat the aggregated decision by more than
+the tie tolerance. Splitting is considered only in a fleet that declared roles (some node is not
+``both``): an aggregated fleet is routed exactly as before.
 """
 
 from __future__ import annotations
@@ -34,6 +46,8 @@ import heapq
 from dataclasses import replace
 from typing import NamedTuple
 
+import numpy as np
+
 from directory_client.types import DirectoryView, NodeView
 from gateway.policy.cost_model import TtftEstimator
 from gateway.policy.memory import MemoryPricing
@@ -41,6 +55,35 @@ from gateway.profile import HardwareProfile
 from gateway.types import Decision, PrefillPlan, RoutingRequest
 
 DEFAULT_TTFT_SLACK = 0.1  # a split sparing running decodes a long prefill may delay the first token by 10%
+
+
+class FirstTokenTail:
+    """The 99th percentile of the first-token estimates of recent decisions (``window`` of them).
+
+    A split delays a first token by the transfer at least; the fleet's TTFT p99 is made of its
+    slowest first tokens (the longest prompts), so a split whose first token would land beyond the
+    recent p99 is not made: the tail stays where aggregated serving puts it. Until ``warmup``
+    estimates are seen there is no tail (infinite).
+    """
+
+    __slots__ = ("_ring", "_count", "_p99", "warmup", "every")
+
+    def __init__(self, window: int = 1024, *, warmup: int = 64, every: int = 32) -> None:
+        self._ring = np.zeros(window)
+        self._count = 0
+        self._p99 = float("inf")
+        self.warmup = warmup
+        self.every = every
+
+    def observe(self, first_token_s: float) -> None:
+        self._ring[self._count % len(self._ring)] = first_token_s
+        self._count += 1
+        if self._count >= self.warmup and self._count % self.every == 0:
+            self._p99 = float(np.quantile(self._ring[: min(self._count, len(self._ring))], 0.99))
+
+    @property
+    def p99_s(self) -> float:
+        return self._p99
 
 
 def declares_roles(view: DirectoryView) -> bool:
@@ -65,11 +108,13 @@ def split_or_not(
     tie_tolerance_s: float = 0.001,
     memory: MemoryPricing | None = None,
     ttft_slack: float = DEFAULT_TTFT_SLACK,
+    tail_s: float = float("inf"),
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
     A pair qualifies only if its first token comes no later than ``(1 + ttft_slack)`` times the
-    aggregated estimate (plus the tie tolerance). With ``memory``, each side also pays for the
+    aggregated estimate (plus the tie tolerance), nor later than ``tail_s`` (the recent p99 of
+    first tokens, ``FirstTokenTail``) unless aggregated serving is already beyond it. With ``memory``, each side also pays for the
     blocks it adds: the prefill node keeps the prompt's KV, the decode node receives all of it.
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures.
@@ -120,6 +165,7 @@ def split_or_not(
     # give a sooner first token (else it only moves the answer to a less busy decode node).
     stalls = stall_s(agg_nv, own.prefill_s) > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
+    latest_first_token = min(latest_first_token, max(tail_s, own.total_s))  # a split never lengthens the tail
     best = _best_pair(prefill_side, decode_side, transfer, last_token, latest_first_token)
     if best is None:
         return replace(decision, reason=f"{decision.reason}; not split: no pair gives a first token within"

@@ -44,7 +44,7 @@ from gateway.policy.base import (
     no_nodes,
 )
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
-from gateway.policy.disagg import DEFAULT_TTFT_SLACK
+from gateway.policy.disagg import DEFAULT_TTFT_SLACK, FirstTokenTail
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
 from gateway.policy.warmup import DEFAULT_WARMUP_CREDIT, DEFAULT_WARMUP_LINK_SHARE, DEFAULT_WARMUP_S, WarmUp
 from gateway.profile import HardwareProfile
@@ -108,6 +108,7 @@ class KvgatePolicy:
         self.disaggregate = bool(disaggregate)  # may split a request over a (prefill, decode) pair (gateway.policy.disagg)
         self.split_ttft_slack = float(split_ttft_slack)
         self.session_slack_long = float(session_slack_long)
+        self.first_token_tail = FirstTokenTail()  # the recent p99 of first tokens: a split never lengthens it
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
