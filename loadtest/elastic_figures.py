@@ -1,7 +1,7 @@
 """Per-minute figures of a run with scale events, and what each event cost.
 
-- ``timeline``: per virtual minute (by arrival), requests, hit rate (cached ÷ prompt tokens), TTFT
-  p99, live nodes, and requests per node;
+- ``timeline``: per virtual minute (by arrival), requests, prompt and cached tokens, hit rate
+  (cached ÷ prompt tokens), TTFT p99, live nodes (in the fleet the whole minute) and their requests;
 - ``scale_in_loss``: hit rate of the ``window_s`` (5 minutes) before a removal minus that of the
   ``window_s`` after, averaged over removals (positive: the removal lost hits);
 - ``scale_out``: per addition, the hit rate before and after, and ``catch_up_s``: from the event to
@@ -53,6 +53,8 @@ def timeline(records: Sequence[RequestRecord], members: Membership, bin_s: float
             "minute": m,
             "start_s": start,
             "requests": len(rs),
+            "prompt_tokens": sum(r.prompt_tokens for r in rs),
+            "cached_tokens": sum(r.cached_tokens for r in rs),
             "hit_rate": _hit_rate(rs),
             "ttft_p99_ms": float(np.percentile(np.asarray(ttfts) * 1000, 99)) if ttfts else None,
             "live_nodes": len(live),

@@ -217,7 +217,7 @@ class Simulator:
             {n.node_id: n.scheduler.counters.busy_s for n in self.by_id.values()},
             self.decision_s,
             time.perf_counter() - t_cpu,
-            {"preemptions": sum(n.scheduler.counters.preemptions for n in self.nodes)},
+            {"preemptions": sum(n.scheduler.counters.preemptions for n in self.by_id.values())},
         )
 
     # -- a turn arrives at the gateway -------------------------------------------------------
