@@ -194,11 +194,13 @@ def recorded(stack: Stack, name: str) -> None:
 
 def settled(stack: Stack) -> None:
     """Wait until no earlier request's load is left on any node (ext_proc gives it back when the
-    stream ends, ext_authz when its estimate ends): the cost comparisons below assume idle nodes."""
+    stream ends, ext_authz when its estimate of the service ends, which a queued node stretches):
+    the cost comparisons below assume idle nodes."""
+
     def loads():
         return stack.directory_call(lambda d: d.loads())
 
-    eventually(lambda: all(not v.inflight for v in loads().values()), timeout_s=10, show=loads)
+    eventually(lambda: all(not v.inflight for v in loads().values()), timeout_s=30, show=loads)
 
 
 def load(stack: Stack, node_id: str, tokens: int):
