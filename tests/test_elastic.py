@@ -32,20 +32,34 @@ def tokens(*ids: int) -> bytes:
     return np.asarray(ids, dtype="<u4").tobytes()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 def directory(request, redis_url):
     if request.param == "memory":
         yield InProcessDirectory()
         return
+    url = request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else redis_url
     prefix = f"kvgate-test:{uuid.uuid4().hex[:12]}"
-    d = open_directory(redis_url, key_prefix=prefix)
-    yield d
-    asyncio.run(d.aclose())
-    purge_prefix(redis_url, prefix)
+    yield url, prefix  # each test opens its own client inside its event loop
+    purge_prefix(url, prefix)
+
+
+def opened(directory):
+    """The directory under test, opened in the running event loop (the Redis ones are async clients)."""
+    if isinstance(directory, InProcessDirectory):
+        return directory
+    url, prefix = directory
+    return open_directory(url, key_prefix=prefix, op_timeout_s=2.0)
 
 
 def test_a_node_keeps_its_most_recent_prompts_newest_first(directory) -> None:
     async def go():
+        directory_ = opened(directory)
+        try:
+            return await records(directory_)
+        finally:
+            await directory_.aclose()
+
+    async def records(directory):
         for i in range(5):
             await directory.record_hot("n1", "m", tokens(1, 2, i), keep=3, ttl_s=60)
             await asyncio.sleep(0.01)  # Redis scores by wall time: keep the order unambiguous
@@ -60,6 +74,13 @@ def test_a_node_keeps_its_most_recent_prompts_newest_first(directory) -> None:
 
 def test_draining_marks_expire_and_can_be_taken_back(directory) -> None:
     async def go():
+        directory_ = opened(directory)
+        try:
+            return await marks(directory_)
+        finally:
+            await directory_.aclose()
+
+    async def marks(directory):
         await directory.set_draining("n1", 60)
         await directory.set_draining("n2", 0.2)
         both = await directory.draining()
