@@ -12,7 +12,8 @@ import msgspec
 
 from directory_client.types import HotPrefix
 
-MAX_HOT_TOKENS = 131072  # a recorded prompt is cut to this many tokens (512 KiB)
+MAX_HOT_TOKENS = 32768  # a recorded prompt is cut to this many tokens (128 KiB): a copied prefix still warms its
+# conversation, and a node's record stays under keep × 128 KiB in the directory however long its prompts
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(tuple[str, bytes]).decode
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from directory_client.hot import MAX_HOT_TOKENS
 from directory_client.types import Directory, DirectoryUnavailable
 from gateway import metrics
 from gateway.types import RoutingRequest
@@ -22,17 +23,39 @@ from gateway.types import RoutingRequest
 HOT_KEEP = 128  # prompts remembered per node
 HOT_TTL_S = 3600.0  # a node that served nothing for this long has nothing hot
 DRAINING_REFRESH_S = 1.0
+HOT_BYTES_PER_S = 1 << 20  # hot-prefix notes written per node and second, at most (the burst is the same)
+
+
+class HotBudget:
+    """Bounds the bytes of hot-prefix notes per node: a node serving many long prompts has its
+    notes sampled (a drain copies the prompts it sees, most recent first) rather than writing
+    every prompt to the directory (a 32k-token prompt is 128 KiB)."""
+
+    def __init__(self, bytes_per_s: float = HOT_BYTES_PER_S) -> None:
+        self.bytes_per_s = float(bytes_per_s)
+        self._level: dict[str, tuple[float, float]] = {}  # node -> (bytes left, at)
+
+    def allow(self, node_id: str, nbytes: int, now: float) -> bool:
+        left, at = self._level.get(node_id, (self.bytes_per_s, now))
+        left = min(self.bytes_per_s, left + self.bytes_per_s * max(now - at, 0.0))
+        if nbytes > left:
+            self._level[node_id] = (left, now)
+            return False
+        self._level[node_id] = (left - nbytes, now)
+        return True
 
 
 def hot_tokens(request: RoutingRequest, token_ids: np.ndarray) -> bytes | None:
-    """The bytes recorded for a routed prompt: its full blocks' token IDs, little-endian uint32.
+    """The bytes recorded for a routed prompt: its full blocks' token IDs (at most
+    ``MAX_HOT_TOKENS``), little-endian uint32.
 
     None for a prompt with a ``cache_salt`` (its KV is its tenant's and a drain cannot rebuild
     the salted hashes) or shorter than a block (nothing worth copying).
     """
     if request.salted or request.total_blocks <= 0:
         return None
-    return np.ascontiguousarray(token_ids[: request.total_blocks * request.block_size], dtype="<u4").tobytes()
+    n = min(request.total_blocks * request.block_size, MAX_HOT_TOKENS // request.block_size * request.block_size)
+    return np.ascontiguousarray(token_ids[:n], dtype="<u4").tobytes()
 
 
 class HotRecorder:
@@ -43,11 +66,15 @@ class HotRecorder:
         self.keep = keep
         self.ttl_s = ttl_s
         self.max_pending = max_pending
+        self.budget = HotBudget()
         self._tasks: set[asyncio.Task] = set()
 
     def record(self, node_id: str, model: str, tokens: bytes | None) -> None:
         if tokens is None or len(self._tasks) >= self.max_pending:
             return  # a slow directory drops hot-prefix notes, never delays requests
+        if not self.budget.allow(node_id, len(tokens), time.monotonic()):
+            metrics.HOT_NOTES_SKIPPED.inc()
+            return
 
         async def write() -> None:
             try:

@@ -219,6 +219,11 @@ DIRECTORY_LOOKUP_SECONDS = LoopHistograms(
 DIRECTORY_ERRORS = Counter(
     "kvgate_directory_errors", "Directory calls that failed or timed out, by operation", ["op"], registry=REGISTRY
 )
+HOT_NOTES_SKIPPED = Counter(
+    "kvgate_hot_prefix_notes_skipped",
+    "Routed prompts not noted as a node's hot prefixes (its note budget per second was spent)",
+    registry=REGISTRY,
+)
 HEAD_DECISIONS = Counter(
     "kvgate_head_decisions",
     "Long fresh prompts routed on their first blocks (no node held those), tokenized in full after answering",

@@ -15,7 +15,7 @@ from directory_client import InProcessDirectory, open_directory
 from directory_client.types import DirectoryView, HotPrefix, NodeInfo, NodeLoad, NodeView, Tier
 from gateway.decision_round import decide_round, routing_request
 from gateway.drain import distinct_prefixes, plan_copy
-from gateway.elastic import hot_tokens
+from gateway.elastic import HotBudget, hot_tokens
 from gateway.policy import make_policy
 from gateway.profile import load_profile
 from loadtest.elastic_figures import elastic_figures
@@ -189,3 +189,13 @@ def test_simulated_nodes_join_and_leave_on_the_virtual_clock(drain: bool) -> Non
         assert fig["drain_copies"]["done"] >= 1 and fig["drain_copies"]["blocks"] > 0
     else:
         assert fig["drain_copies"]["planned"] == 0
+
+
+def test_hot_prefix_notes_are_sampled_per_node_within_their_byte_budget() -> None:
+    """A node serving long prompts back to back gets some noted, not all: at most the budget per
+    second reaches the directory; another node's budget is its own, and the budget refills."""
+    budget = HotBudget(bytes_per_s=1000)
+    assert [budget.allow("n1", 400, now=0.0) for _ in range(4)] == [True, True, False, False]
+    assert budget.allow("n2", 400, now=0.0)  # another node: its own budget
+    assert budget.allow("n1", 400, now=0.5)  # half a second refills 500 bytes
+    assert not budget.allow("n1", 2000, now=100.0)  # never more than one second's worth at once

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gateway.drain import COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, distinct_prefixes, plan_copy
-from gateway.elastic import HOT_KEEP, HOT_TTL_S, hot_tokens
+from gateway.elastic import HOT_KEEP, HOT_TTL_S, HotBudget, hot_tokens
 from gateway.types import RoutingRequest
 from loadtest.sim.sync import run_now
 from tokenizer.keys import block_keys
@@ -88,6 +88,7 @@ class Elastic:
         self.leaving: dict[str, float] = {}  # node_id -> deadline, while draining
         self.copies_pending: dict[str, int] = {}
         self.copies = {"planned": 0, "done": 0, "skipped": 0, "blocks": 0}
+        self.hot_budget = HotBudget()  # the gateway's sampling of hot-prefix notes
 
     def start(self) -> None:
         for e in self.events:
@@ -97,7 +98,7 @@ class Elastic:
         """What ``RoutingCore`` records for each routed prompt (only when drains read it)."""
         if self.drain:
             tokens = hot_tokens(request, ids)
-            if tokens is not None:
+            if tokens is not None and self.hot_budget.allow(node_id, len(tokens), self.sim.now):
                 run_now(self.sim.directory.record_hot(node_id, model, tokens, keep=HOT_KEEP, ttl_s=HOT_TTL_S))
 
     def draining(self) -> frozenset[str]:
