@@ -167,12 +167,9 @@ async def test_the_core_routes_a_short_named_turn_and_records_its_class() -> Non
 # --- through Envoy ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["ext_proc", "ext_authz"])
-def stack(request, tmp_path_factory, envoy_bin, redis_url):
-    s = Stack(
-        tmp_path_factory.mktemp("sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}",
-        integration=request.param,
-    )
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, envoy_bin, redis_url):
+    s = Stack(tmp_path_factory.mktemp("sessions"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}")
     yield s
     s.stop()
 
@@ -192,20 +189,8 @@ def recorded(stack: Stack, name: str) -> None:
     eventually(lambda: redis.Redis.from_url(stack.redis_url).exists(key), timeout_s=5)
 
 
-def settled(stack: Stack) -> None:
-    """Wait until no earlier request's load is left on any node (ext_proc gives it back when the
-    stream ends, ext_authz when its estimate of the service ends, which a queued node stretches):
-    the cost comparisons below assume idle nodes."""
-
-    def loads():
-        return stack.directory_call(lambda d: d.loads())
-
-    eventually(lambda: all(not v.inflight for v in loads().values()), timeout_s=30, show=loads)
-
-
 def load(stack: Stack, node_id: str, tokens: int):
     """Queue ``tokens`` of prefill on a node, as another request in flight there would."""
-    settled(stack)
     return stack.directory_call(lambda d: d.reserve(node_id, tokens, first_token_s=120))
 
 
@@ -239,9 +224,9 @@ def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(
 
 
 def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, redis_url) -> None:
-    """Through either integration the retention header reaches the policy and the directory: the
-    session's node is remembered for ``sessions.long_ttl_s`` and kept at a cost a default
-    session would not pay (about 1.5x the cheapest here, between the two slacks)."""
+    """The retention header reaches the policy and the directory: the session's node is
+    remembered for ``sessions.long_ttl_s`` and kept at a cost a default session would not pay
+    (about 1.5x the cheapest here, between the two slacks)."""
     short, long = "conv-" + uuid.uuid4().hex, "conv-" + uuid.uuid4().hex
     first_short = send(stack, chat(document("estuary"), "Summarise the report."), short)
     first_long = send(stack, chat(document("delta"), "Summarise the report."), long, retention="long")
@@ -285,5 +270,35 @@ def test_sessions_are_off_with_a_zero_ttl(tmp_path_factory, envoy_bin, redis_url
         finally:
             release(s, busy)
         assert redis.Redis.from_url(redis_url).keys(f"{s.key_prefix}:session:*") == []
+    finally:
+        s.stop()
+
+
+def test_ext_authz_sees_the_session_and_retention_headers(tmp_path_factory, envoy_bin, redis_url) -> None:
+    """Over ext_authz Envoy forwards ``x-session-id`` and ``x-kvgate-retention`` to kvgate (the
+    rendered filter's allowed headers): each session is recorded at the node it was routed to,
+    with the TTL of its class, and the body's ``user`` names one too. (The cost comparisons above
+    run over ext_proc, whose loads end with the response; over ext_authz a turn's load is held
+    for its estimate, so back-to-back turns see their own earlier load.)"""
+    s = Stack(tmp_path_factory.mktemp("sessions-authz"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}",
+              integration="ext_authz")
+    try:
+        r = redis.Redis.from_url(redis_url)
+
+        def recorded_at(name: str) -> tuple[str, int]:
+            key = f"{s.key_prefix}:session:{session_key(name, MODEL, None)}"
+            eventually(lambda: r.exists(key), timeout_s=5)
+            return r.get(key).decode(), r.pttl(key)
+
+        short, long, user = ("conv-" + uuid.uuid4().hex for _ in range(3))
+        node_short = send(s, chat(document("fjord"), "Tides?"), short)
+        node_long = send(s, chat(document("atoll"), "Reefs?"), long, retention="long")
+        node_user = send(s, {**chat(document("steppe"), "Grass?"), "user": user})
+        at, ttl = recorded_at(short)
+        assert at == node_short and 0 < ttl <= 1800_000
+        at, ttl = recorded_at(long)
+        assert at == node_long and ttl > 3600_000
+        at, ttl = recorded_at(user)
+        assert at == node_user and 0 < ttl <= 1800_000
     finally:
         s.stop()
