@@ -105,3 +105,18 @@ def test_memory_value_is_validated_and_kvgate_nopull_takes_none() -> None:
     with pytest.raises(ValueError, match="memory_value"):
         make_policy("kvgate_nopull", memory_value=1.0)
     assert make_policy("kvgate", memory_value=0).memory_value == 0.0
+
+
+def test_an_owner_whose_memory_is_full_of_running_requests_gets_a_copy_made(profile) -> None:
+    """Capacity 1,600 blocks holds three 512-block requests: a fourth waits in the engine's queue for
+    one to finish, which no prefill figure shows. Crowding prices that wait, so the hot prompt is
+    copied to an idle node; with room for the running ones the owner keeps it."""
+    full = view(node(1, 512, held=1600, inflight=3, capacity=1600), node(2, 0, held=1600, capacity=1600))
+    d = make_policy("kvgate").decide(request(), full, profile, now=0.0)
+    assert d.node.node_id == "n2"
+    owner = next(c for c in d.candidates if c.node_id == "n1")
+    assert owner.queue_s >= 1.0  # one saturation penalty: a request beyond what its memory holds
+    roomy = view(node(1, 512, held=1600, inflight=2, capacity=1600), node(2, 0, held=1600, capacity=1600))
+    assert make_policy("kvgate").decide(request(), roomy, profile, now=0.0).node.node_id == "n1"
+    assert make_policy("kvgate_nopull").decide(request(), full, profile, now=0.0).node.node_id == "n1"  # baseline as it was
+    assert MemoryPricing.crowding_s(node(1, 0, inflight=5, capacity=0), 512, 1.0) == 0.0  # capacity unknown: not priced

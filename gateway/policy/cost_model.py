@@ -185,6 +185,7 @@ class TtftEstimator:
             memory_s, survival = 0.0, 1.0
             if memory is not None:
                 survival, memory_s = memory.price(nv, total_blocks)
+                queue += memory.crowding_s(nv, total_blocks, self.saturation_penalty_s)
                 if survival < 1.0:  # expected prefill: the hit is gone with probability 1 - survival
                     prefill = survival * prefill + (1.0 - survival) * prefill_s(0)
             via_pull = False

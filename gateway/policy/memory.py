@@ -16,6 +16,12 @@ from the engine's KV events) and the prefill queued on it (``load.prefill_tokens
   block is taken as equally likely to go: a prefix survives with probability
   ``1 - evicted_during_wait / held``. The node's expected prefill blends "hit" and "miss" by it.
 
+- **crowding**: a node runs only as many requests as its memory holds. With ``inflight`` requests
+  each as large as this one already filling its capacity, a new one waits in the engine's queue
+  for a running one to finish, a time the gateway cannot see: priced like a full batch
+  (``saturation_penalty_s`` per request beyond what fits), so a hot prefix gets a copy instead of a
+  queue when its owner's memory is full.
+
 A node whose capacity is unknown (0) or that has room for everything queued is priced exactly as
 without this module: memory is free until it binds.
 """
@@ -54,3 +60,12 @@ class MemoryPricing:
         new_blocks = prompt_blocks - int(cached * survival)
         over = new_blocks - free if free > 0 else new_blocks
         return survival, (over * self.block_value_s if over > 0 else 0.0)
+
+    @staticmethod
+    def crowding_s(nv: NodeView, prompt_blocks: int, penalty_s: float) -> float:
+        """Wait for a running request to finish when ``inflight`` requests of this size fill the node."""
+        capacity, running = nv.node.capacity_blocks, nv.load.inflight
+        if capacity <= 0 or running <= 0 or prompt_blocks <= 0:
+            return 0.0
+        fits = max(capacity // prompt_blocks, 1)
+        return penalty_s * (running - fits + 1) if running >= fits else 0.0
