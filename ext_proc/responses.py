@@ -17,33 +17,27 @@ HEADERS_CONTINUE_NO_BODY = pb.ProcessingResponse(
 ).SerializeToString()
 """Not an inference request: pass it through untouched; send us neither its body nor its answer."""
 
-HEADERS_CONTINUE_SEND_RESPONSE_HEADERS = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-        response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-        response_body_mode=processing_mode_pb2.ProcessingMode.NONE,
-        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    ),
-).SerializeToString()
+
+def _headers_continue_observing(response_body_mode: int) -> bytes:
+    """Headers seen, send the body, and show us the response's headers (and its body, as given)."""
+    mode = processing_mode_pb2.ProcessingMode
+    return pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse(),
+        mode_override=mode(
+            request_header_mode=mode.SEND,
+            response_header_mode=mode.SEND,
+            request_body_mode=mode.BUFFERED,
+            response_body_mode=response_body_mode,
+            request_trailer_mode=mode.SKIP,
+            response_trailer_mode=mode.SKIP,
+        ),
+    ).SerializeToString()
+
+
+HEADERS_CONTINUE_SEND_RESPONSE_HEADERS = _headers_continue_observing(processing_mode_pb2.ProcessingMode.NONE)
 """Headers seen, send the body, and show us the response's headers (to add the prediction headers)."""
 
-RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
-"""Response headers seen, no change."""
-
-HEADERS_CONTINUE_OBSERVE_USAGE = pb.ProcessingResponse(
-    request_headers=pb.HeadersResponse(),
-    mode_override=processing_mode_pb2.ProcessingMode(
-        request_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-        response_header_mode=processing_mode_pb2.ProcessingMode.SEND,
-        request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED,
-        response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED,
-        request_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-        response_trailer_mode=processing_mode_pb2.ProcessingMode.SKIP,
-    ),
-).SerializeToString()
+HEADERS_CONTINUE_OBSERVE_USAGE = _headers_continue_observing(processing_mode_pb2.ProcessingMode.STREAMED)
 """Headers seen, send the body, and show us the response's headers and body chunk by chunk (a
 sampled request whose ``usage.cached_tokens`` is read: ``ext_proc.usage``)."""
 
@@ -54,7 +48,8 @@ BODY_CONTINUE = pb.ProcessingResponse(request_body=pb.BodyResponse()).SerializeT
 """Body seen, no change: Envoy's fallback route balances it (fail open)."""
 
 RESPONSE_HEADERS_CONTINUE = pb.ProcessingResponse(response_headers=pb.HeadersResponse()).SerializeToString()
-"""The node's response headers seen (EnvoySettings.observe_responses), no change."""
+"""The node's response headers seen (to add the prediction headers, or to count the node's status
+for EnvoySettings.observe_responses), no change."""
 
 EMPTY = pb.ProcessingResponse().SerializeToString()
 

@@ -114,7 +114,7 @@ def test_load_reservations_are_released_when_responses_end(stack: Stack) -> None
     def loads():
         return stack.directory_call(lambda d: d.loads())
 
-    eventually(lambda: loads() == {n: NodeLoad(0, 0) for n in NODES}, timeout_s=5, show=loads)
+    eventually(lambda: loads() == {n: NodeLoad(0, 0) for n in NODES}, timeout_s=15, show=loads)  # 15 s: a loaded 2-core machine
 
 
 def test_metrics_count_decisions(stack: Stack) -> None:
