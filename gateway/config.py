@@ -541,6 +541,12 @@ class KvgateConfig(BaseSettings):
         description="KV-event bridge memory bound: engine blocks tracked per followed node (~210 B each, in every "
         "replica); past it the node is cleared and rebuilt. Set it above the engines' KV capacity in blocks",
     )
+    unproven_ttl_s: float = Field(
+        1800.0,
+        gt=0,
+        description="KV-event bridge: entries found in the directory that the engine's replay could not confirm "
+        "(a bridge that started after the replay window) are dropped after this long",
+    )
     events_collector: str = Field(
         "",
         description="ZMQ endpoint kvgate binds for engines whose PUB connects to it (vLLM given "

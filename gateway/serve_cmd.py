@@ -140,6 +140,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
             block_size=cfg.block_size,
             heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1),
             max_blocks_per_node=cfg.max_tracked_blocks_per_node,
+            unproven_ttl_s=cfg.unproven_ttl_s,
         )
         for model, specs in by_model.items()
     ]
@@ -148,7 +149,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
             KVEventBridge(
                 directory, collected, model=collected[0].model, block_size=cfg.block_size,
                 heartbeat_interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.1), collector=cfg.events_collector,
-                max_blocks_per_node=cfg.max_tracked_blocks_per_node,
+                max_blocks_per_node=cfg.max_tracked_blocks_per_node, unproven_ttl_s=cfg.unproven_ttl_s,
             )  # fmt: skip
         )
     return bridges

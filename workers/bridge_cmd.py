@@ -84,6 +84,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="bind this ZMQ endpoint (e.g. tcp://0.0.0.0:5557) for engines whose PUB connects to us "
         "(their spec says events=collector; told apart by topic kv@<address>@<model>)",
     )
+    parser.add_argument(
+        "--unproven-ttl",
+        type=float,
+        default=1800.0,
+        help="seconds before entries the engine's replay could not confirm are dropped (a bridge started after "
+        "the replay window)",
+    )
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0 = off)")
     parser.add_argument("--metrics-host", default="127.0.0.1")
     parser.add_argument("--log-level", default="INFO")
@@ -127,6 +134,7 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
                 engine_timeout_s=args.engine_timeout,
                 collector=args.collector,
                 max_blocks_per_node=args.max_blocks_per_node,
+                unproven_ttl_s=args.unproven_ttl,
             )
         except ValueError as exc:
             log.error("%s", exc)
