@@ -183,10 +183,16 @@ def send(stack: Stack, body: dict, session: str = "", retention: str = "") -> st
     return echo["node"]
 
 
-def recorded(stack: Stack, name: str) -> None:
-    """Wait for the session's node to be in the directory: it is recorded after the answer."""
+def recorded(stack: Stack, name: str, node: str = "") -> None:
+    """Wait for the session's node (``node``, if given) to be in the directory: it is recorded
+    after the answer."""
     key = f"{stack.key_prefix}:session:{session_key(name, MODEL, None)}"
-    eventually(lambda: redis.Redis.from_url(stack.redis_url).exists(key), timeout_s=5)
+
+    def stored() -> bool:
+        value = redis.Redis.from_url(stack.redis_url).get(key)
+        return value is not None and (not node or value.decode() == node)
+
+    eventually(stored, timeout_s=5)
 
 
 def load(stack: Stack, node_id: str, tokens: int):
@@ -219,8 +225,10 @@ def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(
         assert moved != first
     finally:
         release(stack, busy)
-    # The directory moved the session with it: its next rewritten turn follows.
-    eventually(lambda: send(stack, chat(document("harbour summary 3", 300), "Rain?"), session) == moved, timeout_s=5)
+    # The directory moved the session with it: its next rewritten turn follows. (Wait for the
+    # record first: a turn sent before it would be cached where the old record sent it.)
+    recorded(stack, session, moved)
+    assert send(stack, chat(document("harbour summary 3", 300), "Rain?"), session) == moved
 
 
 def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, redis_url) -> None:
