@@ -195,8 +195,22 @@ def recorded(stack: Stack, name: str, node: str = "") -> None:
     eventually(stored, timeout_s=5)
 
 
+def settled(stack: Stack) -> None:
+    """Wait until no earlier request's queued prefill is left on any node: ext_proc gives it back
+    when the answer's stream ends, a moment after the client has the answer, and the cost
+    comparisons below assume idle nodes. (Requests in flight are not waited for: a count of 1
+    was seen to linger past 10 s on one node, an open bug.)"""
+
+    def loads():
+        return stack.directory_call(lambda d: d.loads())
+
+    eventually(lambda: all(not v.prefill_tokens for v in loads().values()), timeout_s=10, show=loads)
+
+
 def load(stack: Stack, node_id: str, tokens: int):
-    """Queue ``tokens`` of prefill on a node, as another request in flight there would."""
+    """Queue ``tokens`` of prefill on a node (once the others are idle), as another request in
+    flight there would."""
+    settled(stack)
     return stack.directory_call(lambda d: d.reserve(node_id, tokens, first_token_s=120))
 
 
@@ -228,6 +242,7 @@ def test_a_rewritten_conversation_keeps_its_node_unless_another_is_much_cheaper(
     # The directory moved the session with it: its next rewritten turn follows. (Wait for the
     # record first: a turn sent before it would be cached where the old record sent it.)
     recorded(stack, session, moved)
+    settled(stack)  # the moved turn's load is given back when its stream ends, a moment after its answer
     assert send(stack, chat(document("harbour summary 3", 300), "Rain?"), session) == moved
 
 
@@ -247,7 +262,9 @@ def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, 
     for session, first, kept in ((short, first_short, False), (long, first_long, True)):
         busy = load(stack, first, 2000)
         try:
-            turn = send(stack, chat(document(f"{session} summary", 300), "And the tides?"), session,
+            # a fixed topic: a session ID in the text would change the prompt's length, and the
+            # cost ratio with it
+            turn = send(stack, chat(document("retention kept" if kept else "retention moved", 300), "And the tides?"), session,
                         retention="long" if kept else "")
             assert (turn == first) is kept
         finally:
