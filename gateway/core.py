@@ -53,7 +53,7 @@ from gateway import metrics
 from gateway.background_tokenize import BackgroundTokenizer
 from gateway.decision_log import DecisionLog
 from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
-from gateway.elastic import DrainingNodes, HotRecorder, hot_tokens
+from gateway.elastic import DrainingNodes, HotRecorder
 from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.sessions import Retention, retention, session_id, session_key
@@ -283,7 +283,7 @@ class RoutingCore:
         decided = await self._decide(request, keys, self._answer_tokens(req, request))
         result = await self._answer(req, request, keys, decided, hold, (t0, t1, t2))
         if hold is not None and result.kind == "routed" and result.decision is not None and result.decision.node:
-            self.hot.record(result.decision.node.node_id, prompt.model, hot_tokens(request, prompt.token_ids))
+            self.hot.record(result.decision.node.node_id, prompt.model, request, prompt.token_ids)
         return result
 
     async def _route_by_head(

@@ -45,17 +45,34 @@ class HotBudget:
         return True
 
 
-def hot_tokens(request: RoutingRequest, token_ids: np.ndarray) -> bytes | None:
-    """The bytes recorded for a routed prompt: its full blocks' token IDs (at most
-    ``MAX_HOT_TOKENS``), little-endian uint32.
-
-    None for a prompt with a ``cache_salt`` (its KV is its tenant's and a drain cannot rebuild
-    the salted hashes) or shorter than a block (nothing worth copying).
-    """
+def hot_token_count(request: RoutingRequest) -> int:
+    """How many tokens of a routed prompt a hot-prefix note keeps: its full blocks, at most
+    ``MAX_HOT_TOKENS``; 0 for a prompt with a ``cache_salt`` (its KV is its tenant's and a drain
+    cannot rebuild the salted hashes) or shorter than a block (nothing worth copying)."""
     if request.salted or request.total_blocks <= 0:
+        return 0
+    return min(request.total_blocks * request.block_size, MAX_HOT_TOKENS // request.block_size * request.block_size)
+
+
+def hot_tokens(request: RoutingRequest, token_ids: np.ndarray) -> bytes | None:
+    """The bytes recorded for a routed prompt (``hot_token_count`` tokens, little-endian uint32);
+    None when nothing is worth recording."""
+    n = hot_token_count(request)
+    return np.ascontiguousarray(token_ids[:n], dtype="<u4").tobytes() if n else None
+
+
+def budgeted_hot_tokens(
+    budget: HotBudget, node_id: str, request: RoutingRequest, token_ids: np.ndarray, now: float
+) -> bytes | None:
+    """``hot_tokens`` when the node's note budget allows them, else None; the bytes are built only
+    then (a skipped note costs the request path nothing but the check)."""
+    n = hot_token_count(request)
+    if not n:
         return None
-    n = min(request.total_blocks * request.block_size, MAX_HOT_TOKENS // request.block_size * request.block_size)
-    return np.ascontiguousarray(token_ids[:n], dtype="<u4").tobytes()
+    if not budget.allow(node_id, 4 * n, now):
+        metrics.HOT_NOTES_SKIPPED.inc()
+        return None
+    return hot_tokens(request, token_ids)
 
 
 class HotRecorder:
@@ -69,11 +86,11 @@ class HotRecorder:
         self.budget = HotBudget()
         self._tasks: set[asyncio.Task] = set()
 
-    def record(self, node_id: str, model: str, tokens: bytes | None) -> None:
-        if tokens is None or len(self._tasks) >= self.max_pending:
+    def record(self, node_id: str, model: str, request: RoutingRequest, token_ids: np.ndarray) -> None:
+        if len(self._tasks) >= self.max_pending:
             return  # a slow directory drops hot-prefix notes, never delays requests
-        if not self.budget.allow(node_id, len(tokens), time.monotonic()):
-            metrics.HOT_NOTES_SKIPPED.inc()
+        tokens = budgeted_hot_tokens(self.budget, node_id, request, token_ids, time.monotonic())
+        if tokens is None:
             return
 
         async def write() -> None:

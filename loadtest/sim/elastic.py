@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gateway.drain import COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, distinct_prefixes, plan_copy
-from gateway.elastic import HOT_KEEP, HOT_TTL_S, HotBudget, hot_tokens
+from gateway.elastic import HOT_KEEP, HOT_TTL_S, HotBudget, budgeted_hot_tokens
 from gateway.types import RoutingRequest
 from loadtest.sim.sync import run_now
 from tokenizer.keys import block_keys
@@ -97,8 +97,8 @@ class Elastic:
     def record(self, request: RoutingRequest, ids: np.ndarray, node_id: str, model: str) -> None:
         """What ``RoutingCore`` records for each routed prompt (only when drains read it)."""
         if self.drain:
-            tokens = hot_tokens(request, ids)
-            if tokens is not None and self.hot_budget.allow(node_id, len(tokens), self.sim.now):
+            tokens = budgeted_hot_tokens(self.hot_budget, node_id, request, ids, self.sim.now)
+            if tokens is not None:
                 run_now(self.sim.directory.record_hot(node_id, model, tokens, keep=HOT_KEEP, ttl_s=HOT_TTL_S))
 
     def draining(self) -> frozenset[str]:

@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import pytest
+
+from tests.chaos.harness import ChaosFleet
 from tests.chaos.load import Row, render_table
 
 ROWS: list[Row] = []
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    """One whole fleet per chaos module (tests/chaos/harness.py), stopped by pid at its end."""
+    f = ChaosFleet().start()
+    try:
+        yield f
+    finally:
+        f.stop()
 
 
 def pytest_terminal_summary(terminalreporter) -> None:  # noqa: ANN001 (pytest's reporter type is private)

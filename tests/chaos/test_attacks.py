@@ -33,15 +33,6 @@ from workers.transfer.auth import PeerAuth
 pytestmark = [pytest.mark.timeout(300), pytest.mark.chaos]
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    f = ChaosFleet().start()
-    try:
-        yield f
-    finally:
-        f.stop()
-
-
 def metric(url: str, name: str) -> float:
     """A counter's value (summed over its samples) from a /metrics page."""
     _, _, raw = request(url)

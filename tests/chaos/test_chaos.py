@@ -34,15 +34,6 @@ RESUME_BOUND_S = 6.0  # cache routing must be back this soon after the part retu
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture(scope="module")
-def fleet():
-    f = ChaosFleet().start()
-    try:
-        yield f
-    finally:
-        f.stop()
-
-
 @pytest.fixture
 def load(fleet: ChaosFleet):
     eventually(fleet.all_live, timeout_s=30, show=fleet.live_counts)  # the previous test restored its part
