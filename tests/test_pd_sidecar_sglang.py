@@ -15,6 +15,7 @@ import asyncio
 import json
 import re
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -98,12 +99,22 @@ def split_count(sidecar: str, name: str, reason: str = "") -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def arrived(bodies: list[Any], count: int, timeout_s: float = 10.0) -> list[Any]:
+    """The bodies once ``count`` have come: the prefill node's copy is sent at the same time as the
+    decode node's, so it may land after the client's answer."""
+    deadline = time.monotonic() + timeout_s
+    while len(bodies) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bodies
+
+
 def test_a_split_request_reaches_both_nodes_with_one_bootstrap_room(sglang) -> None:
     nodes, sidecar = sglang
+    before = len(nodes["prefill"].bodies)
     status, head, body = ask(sidecar, nodes["prefill"].address)
     assert status == 200 and body["node"] == "decode"  # the client gets the decode node's answer
     assert head["x-kvgate-prefilled-by"] == nodes["prefill"].address
-    (to_prefill,), (to_decode,) = nodes["prefill"].bodies[-1:], nodes["decode"].bodies[-1:]
+    (to_prefill,), (to_decode,) = arrived(nodes["prefill"].bodies, before + 1)[-1:], nodes["decode"].bodies[-1:]
     assert to_prefill == to_decode  # one body, both nodes
     fields = SglangDisaggFields.model_validate(to_decode)  # the types SGLang declares
     assert fields.bootstrap_host == "127.0.0.1" and fields.bootstrap_port == BOOTSTRAP_PORT
@@ -112,6 +123,7 @@ def test_a_split_request_reaches_both_nodes_with_one_bootstrap_room(sglang) -> N
     assert "kv_transfer_params" not in to_decode  # not vLLM's handshake
     ask(sidecar, nodes["prefill"].address)
     assert nodes["decode"].bodies[-1]["bootstrap_room"] != to_decode["bootstrap_room"]  # a room per request
+    assert len(arrived(nodes["prefill"].bodies, before + 2)) == before + 2  # (so no late copy reaches the next test)
 
 
 def test_without_the_header_nothing_is_added(sglang) -> None:
