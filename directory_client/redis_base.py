@@ -145,6 +145,7 @@ class RedisDirectoryBase(ABC):
         self._config_checked = False
         self._config_lock = asyncio.Lock()
         self.breaker = CircuitBreaker()
+        self._lost: set[asyncio.Task[None]] = set()  # releases of reserves whose answer was lost
 
     @property
     def index_stride(self) -> int:
@@ -435,11 +436,37 @@ class RedisDirectoryBase(ABC):
         nk = self._keys(node_id)
         limit = "" if if_inflight_at_most is None else int(if_inflight_at_most)
         times = (max(1, int(end_s * 1000)), int(settle_s * 1000))
-        async with self._io("reserve"):
-            taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit))
+        reservation = Reservation(node_id, 1, prefill_tokens, member)
+        sent = False
+        try:
+            async with self._io("reserve"):
+                sent = True
+                taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit))
+        except BaseException:
+            if sent:  # the script may run although its answer is lost: give it back later
+                self._release_lost(reservation, end_s)
+            raise
         if taken == -1:
             raise ReservationConflict(node_id, if_inflight_at_most)
-        return Reservation(node_id, 1, prefill_tokens, member)
+        return reservation
+
+    def _release_lost(self, reservation: Reservation, end_s: float) -> None:
+        """Release a reservation whose reserve timed out or was cancelled after it was sent: the
+        server may still run it (a stalled server wakes, a slow answer is dropped), and nobody
+        else knows its token, so the node would look busy until the reservation's own end."""
+        deadline = time.monotonic() + end_s
+
+        async def retry() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    await self.release(reservation)  # idempotent: a reserve that never ran is a no-op
+                    return
+                except DirectoryUnavailable:
+                    await asyncio.sleep(max(self.op_timeout_s, self.breaker.retry_in_s))
+
+        task = asyncio.ensure_future(retry())
+        self._lost.add(task)
+        task.add_done_callback(self._lost.discard)
 
     async def release(self, reservation: Reservation) -> None:
         check_reservation(reservation)
@@ -507,6 +534,8 @@ class RedisDirectoryBase(ABC):
 
     async def aclose(self) -> None:
         """Close the connection pool; a directory that is down closes without raising."""
+        for task in self._lost:
+            task.cancel()
         try:
             await self._client.aclose()
         except Exception:  # closing a pool whose server vanished must not fail shutdown

@@ -218,12 +218,16 @@ class ExtProcService:
             path, bytes(body), request_id, headers.get("traceparent", ""),
             session_header=headers.get(SESSION_HEADER, ""), retention_header=headers.get(RETENTION_HEADER, ""),
         )
-        if result.kind == "routed":
-            await context.write(routed_response(result))
-        elif result.kind == "rejected":
-            await context.write(immediate_response(result.status, result.body))
-        else:
-            await context.write(responses.BODY_CONTINUE)
+        try:
+            if result.kind == "routed":
+                await context.write(routed_response(result))
+            elif result.kind == "rejected":
+                await context.write(immediate_response(result.status, result.body))
+            else:
+                await context.write(responses.BODY_CONTINUE)
+        except BaseException:  # Envoy dropped the stream: the caller never sees this result
+            await asyncio.shield(self.core.release(result))
+            raise
         return result
 
 

@@ -402,7 +402,12 @@ class RoutingCore:
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
             if rnd.decision.prefill is not None:
-                await self._reserve_prefill(rnd.decision.prefill)
+                try:
+                    await self._reserve_prefill(rnd.decision.prefill)
+                except BaseException:  # cancelled: no caller holds the reservation to release it
+                    if reservation is not None:
+                        await asyncio.shield(self._give_back(reservation))
+                    raise
             timings["reserve"] = time.perf_counter() - t4
 
         decision = rnd.decision

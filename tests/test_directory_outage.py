@@ -167,3 +167,35 @@ async def test_cluster_outage_raises_unavailable() -> None:
             await assert_all_unavailable(d)
         finally:
             await d.aclose()
+
+
+async def test_a_reserve_whose_answer_is_lost_is_given_back(private_redis: RedisProcess) -> None:
+    """A reserve sent to a stalled server times out, but the server runs it when it wakes: the
+    client must give that reservation back, or the node looks busy until the reservation's own
+    end (up to ``max_request_s``) and the router sends its work elsewhere."""
+    d = open_directory(private_redis.url, key_prefix="lost", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600)
+    try:
+        await prime(d)
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DirectoryUnavailable):
+                await d.reserve("n1", 300)
+            task = asyncio.ensure_future(d.reserve("n1", 40))  # Envoy dropped the stream meanwhile
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 3 * BOUND_S
+        while time.monotonic() < deadline:
+            try:
+                if (await d.loads())["n1"] == NodeLoad():
+                    break
+            except DirectoryUnavailable:  # the circuit is open for a moment after the stall
+                pass
+            await asyncio.sleep(0.1)
+        assert (await d.loads())["n1"] == NodeLoad()
+    finally:
+        await d.aclose()

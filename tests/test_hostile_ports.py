@@ -240,3 +240,35 @@ async def test_an_ext_proc_stream_without_envoys_token_is_passed_through_unroute
     finally:
         await server.stop(None)
     assert REGISTRY.get_sample_value("kvgate_ext_proc_unauthenticated_total") == before + 2
+
+
+async def test_ext_proc_streams_dropped_mid_decision_leave_no_load(core, directory) -> None:
+    """A client (or Envoy, on a client's reset) that cancels its stream while kvgate decides:
+    whatever the decision reserved is given back, so no node looks busy afterwards."""
+    port = free_port()
+    server = build_server(core, f"127.0.0.1:{port}")
+    await server.start()
+    inflight = REGISTRY.get_sample_value("kvgate_inflight_requests") or 0.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            for i in range(40):
+                call = channel.stream_stream(
+                    "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                    request_serializer=lambda b: b, response_deserializer=pb.ProcessingResponse.FromString,
+                )()
+                await call.write(_headers_msg(CHAT))
+                await call.read()
+                body = pb.ProcessingRequest(request_body=pb.HttpBody(body=chat(f"topic {i}"), end_of_stream=True))
+                await call.write(body.SerializeToString())
+                await asyncio.sleep(0.001 * (i % 8))  # cancelled at different points of the decision
+                call.cancel()
+        loads: dict = {}
+        for _ in range(100):
+            loads = await directory.loads()
+            if not any(load.inflight for load in loads.values()):
+                break
+            await asyncio.sleep(0.05)
+        assert not any(load.inflight for load in loads.values()), loads
+        assert (REGISTRY.get_sample_value("kvgate_inflight_requests") or 0.0) == inflight
+    finally:
+        await server.stop(None)
