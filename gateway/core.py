@@ -254,7 +254,7 @@ class RoutingCore:
         try:
             prepared = self.tokenizer.prepare(path, req, max_text_bytes=lim.max_prompt_bytes)
             session = self._session(session_header, retention_header, req, prepared)
-            head = self.tokenizer.head(prepared, fresh_chars=lim.head_chars) if lim.head_chars > 0 else None
+            head = await self.tokenizer.head_async(prepared, fresh_chars=lim.head_chars) if lim.head_chars > 0 else None
             if head is not None:
                 early = await self._route_by_head(prepared, req, head, request_id, hold, t0, t1, session)
                 if early is not None:
