@@ -16,6 +16,7 @@ from directory_client.types import (
     ReservationConflict,
     Tier,
     UnknownNode,
+    WriterLease,
 )
 
 __all__ = [
@@ -33,5 +34,6 @@ __all__ = [
     "ReservationConflict",
     "Tier",
     "UnknownNode",
+    "WriterLease",
     "open_directory",
 ]

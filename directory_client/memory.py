@@ -26,6 +26,7 @@ from directory_client.types import (
     ReservationConflict,
     Tier,
     UnknownNode,
+    WriterLease,
 )
 from directory_client.validate import (
     check_durations,
@@ -257,15 +258,26 @@ class InProcessDirectory:
 
     # -- one writer per node -------------------------------------------------------------------
 
-    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> WriterLease:
         check_node_id(node_id)
         if not owner or ttl_s <= 0:
             raise ValueError("claim_writer needs an owner and a positive ttl")
         now = self._clock()
         held = self._writers.get(node_id)
-        if held is not None and held[0] != owner and held[1] > now:
-            return False
+        if held is not None and held[1] > now and held[0] != owner:
+            return WriterLease.HELD_BY_OTHER
         self._writers[node_id] = (owner, now + ttl_s)
+        return WriterLease.RENEWED if held is not None and held[1] > now else WriterLease.TAKEN
+
+    async def writer(self, node_id: str) -> str | None:
+        check_node_id(node_id)
+        held = self._writers.get(node_id)
+        return held[0] if held is not None and held[1] > self._clock() else None
+
+    async def clear_if_unwritten(self, node_id: str) -> bool:
+        if await self.writer(node_id) is not None:
+            return False
+        await self.clear_node(node_id)
         return True
 
     async def release_writer(self, node_id: str, owner: str) -> None:

@@ -50,6 +50,7 @@ from directory_client.types import (
     ReservationConflict,
     Tier,
     UnknownNode,
+    WriterLease,
 )
 from directory_client.validate import (
     check_durations,
@@ -345,13 +346,26 @@ class RedisDirectoryBase(ABC):
     def _lease_key(self, node_id: str) -> str:
         return f"{self.key_prefix}:{{{node_id}}}:writer"
 
-    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> WriterLease:
         check_node_id(node_id)
         if not owner or ttl_s <= 0:
             raise ValueError("claim_writer needs an owner and a positive ttl")
         async with self._io("claim_writer"):
             held = await self._eval("writer_claim", (self._lease_key(node_id),), (owner, max(1, int(ttl_s * 1000))))
-        return held == 1
+        return WriterLease(int(held))
+
+    async def writer(self, node_id: str) -> str | None:
+        check_node_id(node_id)
+        async with self._io("writer"):
+            owner = await self._client.get(self._lease_key(node_id))
+        return owner.decode() if isinstance(owner, bytes) else owner
+
+    async def clear_if_unwritten(self, node_id: str) -> bool:
+        check_node_id(node_id)
+        await self._check_config()
+        async with self._io("clear_if_unwritten"):
+            cleared = await self._eval("writer_lapsed_clear", (self._lease_key(node_id), self._keys(node_id).blocks), ())
+        return cleared == 1
 
     async def release_writer(self, node_id: str, owner: str) -> None:
         check_node_id(node_id)

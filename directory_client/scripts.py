@@ -26,6 +26,7 @@ SCRIPT_NAMES = (
     "release",
     "writer_claim",
     "writer_release",
+    "writer_lapsed_clear",
     "retire",
     "replace_commit",
 )

@@ -35,6 +35,15 @@ class DirectoryUnavailable(Exception):
     """The directory backend cannot be reached or answered an error: callers fail open."""
 
 
+class WriterLease(enum.IntEnum):
+    """What ``claim_writer`` found: another bridge holds the lease, the caller renewed its own, or
+    it took a free one (the entries may have been cleared while nobody held it: rewrite them)."""
+
+    HELD_BY_OTHER = 0
+    RENEWED = 1
+    TAKEN = 2
+
+
 class ReservationConflict(Exception):
     """A compare-and-reserve found more requests in flight on the node than the caller saw:
     another replica took it meanwhile. Nothing was reserved; decide again on a fresh view."""
@@ -154,10 +163,17 @@ class Directory(Protocol):
 
     # one KV-event bridge writes a node's entries at a time (several gateway replicas may follow
     # the same engine): it holds a lease, the others follow and take over when it lapses
-    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> bool:
-        """Take or renew the node's writer lease for ``ttl_s``; False while another owner holds it."""
+    async def claim_writer(self, node_id: str, owner: str, ttl_s: float) -> WriterLease:
+        """Take or renew the node's writer lease for ``ttl_s`` (falsy while another owner holds it)."""
         ...
     async def release_writer(self, node_id: str, owner: str) -> None: ...
+    async def writer(self, node_id: str) -> str | None:
+        """Who holds the node's writer lease now (None: no bridge writes its entries)."""
+        ...
+    async def clear_if_unwritten(self, node_id: str) -> bool:
+        """Clear the node's entries if no bridge holds its writer lease, in one step with that
+        check (a bridge that has just taken the lease is never wiped); True if cleared."""
+        ...
     async def replace_node(self, node_id: str, blocks: Mapping[Tier, Sequence[BlockKey]]) -> None:
         """The node's entries become exactly ``blocks`` (per tier), in one step for lookups."""
         ...

@@ -6,6 +6,12 @@ healthy ones itself by registering them again on every probe (registration is id
 restores a node after the directory lost its state, e.g. a Redis restart). A node that fails
 ``failures_to_drop`` probes in a row is deregistered, so the gateway stops sending it traffic at
 once rather than after the heartbeat TTL.
+
+A static node may still have its entries written by a bridge running elsewhere (``kvgate bridge``
+beside the engine). If that bridge dies, the keeper would keep the node alive with entries that
+nothing keeps true any more; so a node seen with a bridge holding its writer lease has its entries
+cleared when the lease lapses (it stays routable by load) until a bridge takes the lease again
+and rewrites them.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Sequence
 import aiohttp
 
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo
+from gateway.metrics import WRITER_LAPSES
 
 log = logging.getLogger("kvgate.fleet")
 
@@ -38,6 +45,7 @@ class StaticFleetKeeper:
         self.failures_to_drop = failures_to_drop
         self._failures = {n.node_id: 0 for n in self.nodes}
         self._registered: set[str] = set()
+        self._written: set[str] = set()  # nodes seen with a bridge holding their writer lease
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -69,6 +77,7 @@ class StaticFleetKeeper:
                 if node.node_id not in self._registered:
                     self._registered.add(node.node_id)
                     log.info("node %s (%s) is up", node.node_id, node.address)
+                await self._check_writer(node)
                 return
             self._failures[node.node_id] += 1
             if node.node_id in self._registered and self._failures[node.node_id] >= self.failures_to_drop:
@@ -77,6 +86,18 @@ class StaticFleetKeeper:
                 log.warning("node %s (%s) failed %d probes; dropped", node.node_id, node.address, self.failures_to_drop)
         except DirectoryUnavailable:
             log.debug("directory unavailable while keeping node %s", node.node_id)
+
+    async def _check_writer(self, node: NodeInfo) -> None:
+        """Clear the entries of a node whose bridge held the writer lease and no longer does."""
+        if await self.directory.writer(node.node_id) is not None:
+            self._written.add(node.node_id)
+            return
+        if node.node_id not in self._written:
+            return
+        self._written.discard(node.node_id)
+        if await self.directory.clear_if_unwritten(node.node_id):
+            WRITER_LAPSES.labels(node.node_id).inc()
+            log.warning("node %s: its KV-event bridge stopped holding the writer lease; entries cleared, routed by load", node.node_id)
 
     async def aclose(self) -> None:
         if self._task is not None:

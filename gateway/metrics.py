@@ -141,6 +141,12 @@ USAGE_UNREAD = Counter(
     "stream_options.include_usage, errors, engines without --enable-prompt-tokens-details)",
     registry=REGISTRY,
 )
+WRITER_LAPSES = Counter(
+    "kvgate_node_writer_lapses",
+    "Static nodes whose KV-event bridge stopped holding their writer lease; their entries were cleared",
+    ["node"],
+    registry=REGISTRY,
+)
 ENGINE_SCRAPE_ERRORS = Counter(
     "kvgate_engine_scrape_errors", "Failed scrapes of a node's /metrics (engine cache counters)", ["node"], registry=REGISTRY
 )

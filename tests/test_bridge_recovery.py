@@ -245,6 +245,26 @@ async def test_an_engine_restart_is_mirrored(engine: Engine, directory: Director
         assert bridge.stats(engine.node_id).writer
 
 
+async def test_a_bridge_whose_lease_lapsed_rewrites_what_a_gateway_cleared(
+    engine: Engine, directory: Directory, client: Client, redis_url: str, key_prefix: str
+) -> None:
+    """The bridge stalled past its lease; a gateway's keeper saw no writer and cleared the node.
+    Taking the lease again, the bridge must rewrite the node, not go on as if it were intact."""
+    async with KVEventBridge(
+        directory, [engine.spec()], model=MODEL, block_size=BS, heartbeat_interval_s=INTERVAL_S
+    ) as bridge:
+        held = await traffic(client, engine, chats(900))
+        await mirrored(directory, client, engine, held, timeout=20)
+        async with redis.asyncio.Redis.from_url(redis_url) as r:  # the stall, as Redis saw it
+            await r.delete(f"{key_prefix}:{{{engine.node_id}}}:writer")
+        assert await directory.clear_if_unwritten(engine.node_id)
+        assert not any([await node_holds(directory, engine.node_id, k) for k in held])
+        t0 = time.monotonic()
+        await mirrored(directory, client, engine, held, timeout=10)
+        print(f"\nlapsed lease taken again, node rewritten in {time.monotonic() - t0:.2f} s")
+        assert bridge.stats(engine.node_id).writer
+
+
 class Relay:
     """A real ZMQ hop carrying the engine's events; closing it drops the bridge's socket."""
 

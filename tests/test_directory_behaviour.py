@@ -20,6 +20,7 @@ from directory_client import (
     ReservationConflict,
     Tier,
     UnknownNode,
+    WriterLease,
     open_directory,
 )
 from directory_client.sampling import KeySampler
@@ -495,17 +496,34 @@ async def test_factory_picks_backend_from_url_and_rejects_unknown() -> None:
 async def test_one_writer_per_node_through_a_lease(backend: Backend) -> None:
     """Several gateway replicas follow one engine; only the lease holder writes its entries."""
     a, b = backend.make(), backend.make()
-    assert await a.claim_writer("n1", "replica-a", 0.6)
-    assert await a.claim_writer("n1", "replica-a", 0.6)  # renewing
-    assert not await b.claim_writer("n1", "replica-b", 0.6)
+    assert await a.claim_writer("n1", "replica-a", 0.6) == WriterLease.TAKEN
+    assert await a.claim_writer("n1", "replica-a", 0.6) == WriterLease.RENEWED
+    assert await b.claim_writer("n1", "replica-b", 0.6) == WriterLease.HELD_BY_OTHER
+    assert await b.writer("n1") == "replica-a"
     assert await b.claim_writer("n2", "replica-b", 0.6)  # leases are per node
     await backend.sleep(1.0)  # the holder stopped renewing: the lease lapses, another takes it
-    assert await b.claim_writer("n1", "replica-b", 0.6)
+    assert await b.writer("n1") is None
+    assert await b.claim_writer("n1", "replica-b", 0.6) == WriterLease.TAKEN
     assert not await a.claim_writer("n1", "replica-a", 0.6)
     await a.release_writer("n1", "replica-a")  # not the holder: nothing happens
     assert not await a.claim_writer("n1", "replica-a", 0.6)
     await b.release_writer("n1", "replica-b")
     assert await a.claim_writer("n1", "replica-a", 0.6)
+
+
+async def test_entries_are_cleared_only_when_no_bridge_holds_the_lease(backend: Backend) -> None:
+    """A gateway clears a node whose bridge died (nothing keeps its entries true); a node whose
+    bridge holds the lease keeps them, whoever asks."""
+    d, keys = backend.make(heartbeat_ttl_s=600), chain(6)
+    await d.register_node(node("a"))
+    await d.record_stored("a", keys)
+    assert await d.claim_writer("a", "bridge-1", 0.6)
+    assert not await d.clear_if_unwritten("a")
+    assert (await d.lookup(keys)).nodes[0].cached_blocks == 6
+    await backend.sleep(1.0)  # the bridge stopped renewing
+    assert await d.clear_if_unwritten("a")
+    view = await d.lookup(keys)
+    assert [(v.node.node_id, v.cached_blocks) for v in view.nodes] == [("a", 0)]  # still routable, by load
 
 
 async def test_replace_node_swaps_its_entries_and_retire_keeps_them(backend: Backend) -> None:

@@ -19,7 +19,7 @@ import redis
 import redis.asyncio as aioredis
 
 from directory_client import open_directory
-from directory_client.types import DirectoryUnavailable, NodeInfo, Tier
+from directory_client.types import DirectoryUnavailable, NodeInfo, Tier, WriterLease
 from gateway.config import load_config
 from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
@@ -105,7 +105,7 @@ async def refused(call, server: RedisProcess) -> None:
 async def test_a_bridge_does_its_job_and_cannot_touch_load_or_reservations(as_role, acl_redis: RedisProcess) -> None:
     bridge = as_role("kvgate-bridge")
     await bridge.register_node(NODE)
-    assert await bridge.claim_writer("e1", "bridge-a", 10.0) is True
+    assert await bridge.claim_writer("e1", "bridge-a", 10.0) == WriterLease.TAKEN
     await bridge.record_stored("e1", KEYS)
     await bridge.record_removed("e1", KEYS[24:])
     await bridge.heartbeat("e1")
@@ -170,7 +170,7 @@ async def test_a_gateway_following_events_does_both_jobs_and_nothing_outside_the
 ) -> None:
     both = as_role("kvgate-gateway-events")
     await both.register_node(NODE)
-    assert await both.claim_writer("e1", "gw-1", 10.0) is True
+    assert await both.claim_writer("e1", "gw-1", 10.0) == WriterLease.TAKEN
     await both.record_stored("e1", KEYS[:8])
     reservation = await both.reserve("e1", 10)
     assert (await both.lookup(KEYS)).nodes[0].cached_blocks == 8

@@ -105,7 +105,7 @@ import zmq.asyncio
 from prometheus_client import Counter, Gauge, Histogram
 from zmq.utils.monitor import parse_monitor_message
 
-from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode
+from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode, WriterLease
 from directory_client.validate import check_node_id
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
 from workers.kv_events import (
@@ -1211,7 +1211,11 @@ class KVEventBridge:
     async def _hold_lease(self, st: _Stream) -> None:
         """Take or renew the node's writer lease; a bridge that gains it rewrites the node."""
         held = await self._directory.claim_writer(st.spec.node_id, self._owner, self._lease_ttl_s)
-        if held and not st.writer:
+        if held == WriterLease.TAKEN and st.writer:  # it lapsed while we stalled: a gateway may have cleared the node
+            log.warning("node %s: writer lease had lapsed; taken again, rewriting the node", st.spec.node_id)
+            st.rewrite_all = True
+            st.dirty.set()
+        elif held and not st.writer:
             log.info("node %s: writing its directory entries (writer lease taken)", st.spec.node_id)
             st.rewrite_all = True
             st.dirty.set()
