@@ -58,6 +58,15 @@ async def assert_all_unavailable(d: Any) -> None:
         assert time.monotonic() - started < BOUND_S, f"{name} took too long to fail"
 
 
+async def cancel_midway(call: Awaitable[Any]) -> None:
+    """Cancel ``call`` while it waits on the server: it raises CancelledError, not an outage."""
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def prime(d: Any) -> None:
     await d.register_node(NodeInfo("n1", "127.0.0.1:1"))
     await d.record_stored("n1", KEYS)
@@ -121,11 +130,7 @@ async def test_stalled_server_times_out_and_leaves_no_half_read_connection(priva
                     await call()
                 assert time.monotonic() - started < BOUND_S
             # cancellation (Envoy dropping the stream) propagates as itself, not as an outage
-            task = asyncio.ensure_future(d.lookup(other))
-            await asyncio.sleep(0.05)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_midway(d.lookup(other))
         finally:
             os.kill(private_redis.proc.pid, signal.SIGCONT)
         for _ in range(5):
@@ -181,11 +186,7 @@ async def test_a_reserve_whose_answer_is_lost_is_given_back(private_redis: Redis
         try:
             with pytest.raises(DirectoryUnavailable):
                 await d.reserve("n1", 300)
-            task = asyncio.ensure_future(d.reserve("n1", 40))  # Envoy dropped the stream meanwhile
-            await asyncio.sleep(0.05)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
+            await cancel_midway(d.reserve("n1", 40))  # Envoy dropped the stream meanwhile
         finally:
             os.kill(private_redis.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 3 * BOUND_S
