@@ -187,6 +187,9 @@ def test_simulated_nodes_join_and_leave_on_the_virtual_clock(drain: bool) -> Non
     assert fig["timeline"][0]["hit_rate"] == sum(r.cached_tokens for r in res.records if r.ok and r.sent_at < 60) / tokens_
     if drain:
         assert fig["drain_copies"]["done"] >= 1 and fig["drain_copies"]["blocks"] > 0
+        # the two leave together: copies that first went to the other leaving node were made again
+        assert fig["drain_copies"]["retargeted"] >= 1 and fig["drain_copies"]["done"] == fig["drain_copies"]["planned"]
+        assert fig["scale_in_loss_reuse"] is not None
     else:
         assert fig["drain_copies"]["planned"] == 0
 
