@@ -18,8 +18,9 @@ code (``distinct_prefixes``, ``plan_copy``):
 The conversations move with their KV: the target's engine reports the copied blocks, so the
 directory lists the target as the prefix's holder and the next turn is routed there. Nodes that
 leave together (a StatefulSet scaled in by several) drain at about the same time, so a copy's
-target may start draining while the copy runs: once the copy is made, a target that is draining
-by then gets the prompt planned again, to a node that stays (``MAX_RETARGETS`` times at most).
+target may start draining (or be gone) while the copy runs: a copy that failed, or whose target is
+draining by the time it is made, is planned again to a node that stays (``MAX_RETARGETS`` times at
+most).
 Each copy is also noted as the target's hot prompt, so a target drained later carries it on.
 """
 
@@ -213,37 +214,41 @@ class Drainer:
         seed = self.seed_of(prefix.model)
         ids = np.frombuffer(prefix.tokens, dtype="<u4")
         keys = np.asarray(block_keys(ids, block_size=self.block_size, seed=seed), dtype=np.uint64)
+        landed: CopyPlan | None = None  # the last copy made
         for attempt in range(MAX_RETARGETS + 1):
+            if attempt:
+                report.retargeted += 1  # failed, or its target is leaving too: the source still holds it
             try:
                 view = await self.directory.lookup(keys)
                 draining = await self.directory.draining()
             except DirectoryUnavailable as e:
                 report.errors.append(f"lookup: {e}")
-                return
+                break
             plan = plan_copy(
                 self.policy, self.profile, prefix, keys, view, source_id=source.node_id, draining=draining,
                 seed=seed, now=self.clock(), link=self.link, block_size=self.block_size,
             )  # fmt: skip
             if plan is None:
-                return
+                break
             if attempt == 0:
                 report.copies_planned += 1
             if not await self._run_copy(plan, source):
                 report.copy_failures += 1
-                return
+                continue
+            landed = plan
             try:
-                moved_on = plan.target.node_id in await self.directory.draining()
+                if plan.target.node_id not in await self.directory.draining():
+                    break
             except DirectoryUnavailable:
-                moved_on = False
-            if not moved_on or attempt == MAX_RETARGETS:
                 break
-            report.retargeted += 1  # the target is leaving too: plan it again, the source still holds it
+        if landed is None:
+            return
         report.copied += 1
-        report.copied_blocks += plan.blocks
+        report.copied_blocks += landed.blocks
         try:
-            await note_copied(self.directory, plan)
+            await note_copied(self.directory, landed)
         except DirectoryUnavailable as e:  # the copy is made; only a later drain of the target misses it
-            log.warning("drain: noting the copy on %s failed: %s", plan.target.node_id, e)
+            log.warning("drain: noting the copy on %s failed: %s", landed.target.node_id, e)
 
     async def _run_copy(self, plan: CopyPlan, source: NodeInfo) -> bool:
         """One copy, reserved on its target like a request; False when it failed."""

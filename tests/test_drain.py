@@ -35,13 +35,17 @@ async def fleet(nodes: int, prompt: np.ndarray) -> InProcessDirectory:
     return d
 
 
-def drainer(d: InProcessDirectory, copies: list[tuple[str, str]], *, first_target_leaves: bool = False) -> Drainer:
+def drainer(d: InProcessDirectory, copies: list[tuple[str, str]], *, first_target_leaves: bool = False,
+            first_fails: bool = False) -> Drainer:  # fmt: skip
     """A drainer whose copies land (the target's engine reports the blocks), listed as (source
     transfer endpoint, target); with ``first_target_leaves`` the first copy's target is marked
-    draining (by its own drain) while that copy runs."""
+    draining (by its own drain) while that copy runs; with ``first_fails`` its target is gone."""
 
     async def copy(plan: CopyPlan, source: str) -> bool:
         copies.append((source, plan.target.node_id))
+        if first_fails and len(copies) == 1:
+            await d.deregister_node(plan.target.node_id)
+            return False
         await d.record_stored(plan.target.node_id, list(block_keys(plan.token_ids, block_size=BS, seed=SEED)))
         if first_target_leaves and len(copies) == 1:
             await d.set_draining(plan.target.node_id, 60.0)
@@ -68,6 +72,19 @@ def test_a_copy_whose_target_starts_draining_meanwhile_is_made_again_on_a_node_t
     view = asyncio.run(d.lookup(np.asarray(block_keys(prompt, block_size=BS, seed=SEED), dtype=np.uint64)))
     assert {nv.node.node_id: nv.cached_blocks for nv in view.nodes}[final] == 64
     assert final not in asyncio.run(d.draining())
+
+
+def test_a_copy_that_failed_is_made_on_another_node() -> None:
+    prompt = np.arange(64 * BS, dtype=np.uint32)
+
+    async def go():
+        d = await fleet(4, prompt)
+        copies: list[tuple[str, str]] = []
+        return copies, await drainer(d, copies, first_fails=True).drain("n1", deadline_s=5.0)
+
+    copies, report = asyncio.run(go())
+    assert len(copies) == 2 and copies[0][1] != copies[1][1]
+    assert (report.copy_failures, report.retargeted, report.copied, report.copies_planned) == (1, 1, 1, 1)
 
 
 def test_a_copy_is_noted_as_the_targets_hot_prompt_so_a_later_drain_carries_it_on() -> None:

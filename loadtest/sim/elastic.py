@@ -178,15 +178,20 @@ class Elastic:
         req = SimRequest.create("drain-copy", plan.token_ids, sim.sampler.reply(plan.token_ids, 1, ignore_eos=True),
                                 block_size=sim.bs, root_hash=sim.root, key_seed=sim.key_seed, arrival=sim.now)  # fmt: skip
         upto = source.cached_blocks(req, plan.blocks)  # what the source still holds
-        if upto > 0 and target in sim.nodes:
+        if upto <= 0:
+            self.node_idle(source)
+            return
+        added = 0
+        if target in sim.nodes:  # else it left meanwhile: the copy failed
             added, events = target.insert_prefix(req, upto, sim.now)
             sim.feed(target, events)
-            if plan.target.node_id in self.draining() and attempt < MAX_RETARGETS:  # what Drainer does
-                again = self._plan(source, plan.prefix)
-                if again is not None and self._schedule(source, again, attempt + 1):
-                    self.copies["retargeted"] += 1
-                    self.node_idle(source)
-                    return
+        if (target not in sim.nodes or plan.target.node_id in self.draining()) and attempt < MAX_RETARGETS:
+            again = self._plan(source, plan.prefix)  # what Drainer does: the source still holds it
+            if again is not None and self._schedule(source, again, attempt + 1):
+                self.copies["retargeted"] += 1
+                self.node_idle(source)
+                return
+        if target in sim.nodes:
             self.copies["done"] += 1
             self.copies["blocks"] += added
             run_now(note_copied(sim.directory, plan))
