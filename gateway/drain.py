@@ -11,7 +11,9 @@ code (``distinct_prefixes``, ``plan_copy``):
    conversation's latest — each to the node the policy would send that prompt to now with the
    draining node gone, by a pull through the transfer agents: a one-token request to the
    target carrying ``x-kv-cache-source-host-port`` / ``x-kv-cache-pull-blocks``. Each copy is
-   reserved on its target like a request, so the copies spread instead of landing on one node;
+   reserved on its target like a request (its blocks as queued prefill, so the policy's memory
+   pricing sees them before the target's KV events do), so the copies spread instead of landing
+   on one node;
 3. **wait** for the requests in flight on the node to finish (its load in the directory);
 4. stop at the **deadline** whatever is left: a drain never holds a pod's termination longer.
 
@@ -60,6 +62,7 @@ class CopyPlan:
     target: NodeInfo
     blocks: int
     transfer_s: float  # the modelled time of the pull, over the policy's link
+    new_tokens: int = 0  # what the target does not hold yet: the memory the copy takes there
 
 
 def distinct_prefixes(hot: Iterable[HotPrefix]) -> list[HotPrefix]:
@@ -104,7 +107,7 @@ def plan_copy(
     if held >= source.cached_blocks:
         return None
     moved = (source.cached_blocks - held) * block_size
-    return CopyPlan(prefix, ids, target, source.cached_blocks, profile.transfer_seconds(moved, link))
+    return CopyPlan(prefix, ids, target, source.cached_blocks, profile.transfer_seconds(moved, link), moved)
 
 
 @dataclass
@@ -253,7 +256,7 @@ class Drainer:
     async def _run_copy(self, plan: CopyPlan, source: NodeInfo) -> bool:
         """One copy, reserved on its target like a request; False when it failed."""
         hold = max(plan.transfer_s * 4, 1.0)
-        reservation = await self.directory.reserve(plan.target.node_id, 0, first_token_s=hold, hold_s=hold)
+        reservation = await self.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=hold, hold_s=hold)
         try:
             return await self.copy(plan, source.transfer_endpoint)
         except Exception as e:  # one failed copy is one prompt recomputed later, not a failed drain

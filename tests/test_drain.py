@@ -103,3 +103,26 @@ def test_a_copy_is_noted_as_the_targets_hot_prompt_so_a_later_drain_carries_it_o
     assert first.copied == 1 and [h.tokens for h in hot] == [prompt.astype("<u4").tobytes()]
     assert second.copied == 1 and len(copies) == 2  # carried on to the third node
     assert copies[1][0] == f"10.0.0.{copies[0][1][1:]}:9100" and copies[1][1] not in ("n1", copies[0][1])
+
+
+def test_a_copy_in_progress_counts_its_blocks_on_its_target() -> None:
+    """While a copy runs, its target's load carries the copy's blocks as queued prefill: the next
+    copy's planning (the policy's memory and queue terms) sees them before the KV events do, so
+    the copies of a drain spread over the fleet instead of filling the cheapest node."""
+    prompt = np.arange(64 * BS, dtype=np.uint32)
+    seen: list[tuple[int, int]] = []
+
+    async def go():
+        d = await fleet(3, prompt)
+
+        async def copy(plan: CopyPlan, source: str) -> bool:
+            load = (await d.loads())[plan.target.node_id]
+            seen.append((load.prefill_tokens, plan.new_tokens))
+            return True
+
+        drainer = Drainer(d, make_policy("kvgate", link="rdma"), PROFILE, copy, seed_of=lambda _m: SEED,
+                          block_size=BS, link="rdma", poll_s=0.01)  # fmt: skip
+        await drainer.drain("n1", deadline_s=5.0)
+
+    asyncio.run(go())
+    assert seen == [(64 * BS, 64 * BS)]

@@ -165,7 +165,8 @@ class Elastic:
         if end > self.leaving.get(node.node_id, float("-inf")):  # past its deadline, or gone
             return False
         lanes[lane] = end
-        hold = run_now(sim.directory.reserve(plan.target.node_id, 0, first_token_s=end - now, hold_s=end - now + 1e-3))
+        hold = run_now(sim.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=end - now,
+                                             hold_s=end - now + 1e-3))  # fmt: skip
         self.copies_pending[node.node_id] += 1
         sim.schedule(end, lambda: self._copied(node, plan, hold, attempt))
         return True
