@@ -22,8 +22,7 @@ directory lists the target as the prefix's holder and the next turn is routed th
 leave together (a StatefulSet scaled in by several) drain at about the same time, so a copy's
 target may start draining (or be gone) while the copy runs: a copy that failed, or whose target is
 draining by the time it is made, is planned again to a node that stays (``MAX_RETARGETS`` times at
-most).
-Each copy is also noted as the target's hot prompt, so a target drained later carries it on.
+most). Each copy is also noted as the target's hot prompt, so a target drained later carries it on.
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ log = logging.getLogger("kvgate.drain")
 DEFAULT_DEADLINE_S = 30.0
 MAX_PREFIXES = 64  # copies per drain at most (the most recent prompts)
 COPY_CONCURRENCY = 4
-MAX_RETARGETS = 2  # a copy whose target started draining meanwhile is planned again this often at most
+MAX_RETARGETS = 2  # a copy that failed or whose target started draining is planned again this often at most
 LINGER_S = 600.0  # the draining mark outlives the deadline by this much (the pod is gone by then)
 
 
@@ -121,7 +120,7 @@ class DrainReport:
     copied: int = 0
     copy_failures: int = 0
     copied_blocks: int = 0
-    retargeted: int = 0  # copies made again elsewhere: their first target started draining too
+    retargeted: int = 0  # copies planned again: the copy failed, or its target started draining too
     inflight_left: int = 0  # requests still in flight on the node when the drain returned
     deadline_reached: bool = False
     elapsed_s: float = 0.0
