@@ -106,6 +106,9 @@ class DirectoryView:
     after the last sampled key); a node reporting it may hold more of the prompt. -1: unknown."""
     session_node: str = ""
     """The node the asked session was last routed to ("" when none was asked or recorded)."""
+    pull_sources: tuple[NodeView, ...] = ()
+    """Nodes that take no new request but whose blocks may still be pulled (draining ones: their
+    cache lives until they stop). Filled by ``gateway.decision_round``, never by a lookup."""
 
     def best(self) -> NodeView | None:
         return max(self.nodes, key=lambda n: n.cached_blocks, default=None)

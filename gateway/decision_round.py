@@ -6,12 +6,14 @@ one is: the same request (prompt-hash affinity included), the same policy call, 
 estimates, the same reservation (queued prefill released at the estimated first token). Pure: no
 I/O, the time is passed in. In a fleet that declares roles, a prefill-only node is never the
 policy's destination and a cost-model policy may split the request (``gateway.policy.disagg``).
-A draining node (``gateway.drain``) is taken out of the view: it gets no new request.
+A draining node (``gateway.drain``) is taken out of the view's candidates: it gets no new request,
+but stays a pull source (``DirectoryView.pull_sources``) while it lives, so a conversation it holds
+that the drain has not copied yet is pulled from it rather than recomputed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -102,10 +104,14 @@ def decide_round(
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
     prefill); the service time adds the answer budget decoded at the node's batch size with this
     request in it. With no node chosen every figure is zero. Nodes in ``draining`` are not
-    candidates (nor pull sources) unless no other node is live: a drain never turns traffic away.
+    candidates unless no other node is live (a drain never turns traffic away); they stay pull
+    sources for the policies that pull.
     """
     if draining and any(nv.node.node_id not in draining for nv in view.nodes):
-        view = DirectoryView(tuple(nv for nv in view.nodes if nv.node.node_id not in draining), view.answerable_blocks)
+        leaving = tuple(nv for nv in view.nodes if nv.node.node_id in draining)
+        if leaving:
+            kept = tuple(nv for nv in view.nodes if nv.node.node_id not in draining)
+            view = replace(view, nodes=kept, pull_sources=leaving)
     roles = declares_roles(view)
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
     if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split

@@ -11,12 +11,18 @@ code (``distinct_prefixes``, ``plan_copy``):
    conversation's latest — each to the node the policy would send that prompt to now with the
    draining node gone, by a pull through the transfer agents: a one-token request to the
    target carrying ``x-kv-cache-source-host-port`` / ``x-kv-cache-pull-blocks``. Each copy is
-   reserved on its target like a request, so the copies spread instead of landing on one node;
+   reserved on its target like a request (its blocks as queued prefill, so the policy's memory
+   pricing sees them before the target's KV events do), so the copies spread instead of landing
+   on one node;
 3. **wait** for the requests in flight on the node to finish (its load in the directory);
 4. stop at the **deadline** whatever is left: a drain never holds a pod's termination longer.
 
 The conversations move with their KV: the target's engine reports the copied blocks, so the
-directory lists the target as the prefix's holder and the next turn is routed there.
+directory lists the target as the prefix's holder and the next turn is routed there. Nodes that
+leave together (a StatefulSet scaled in by several) drain at about the same time, so a copy's
+target may start draining (or be gone) while the copy runs: a copy that failed, or whose target is
+draining by the time it is made, is planned again to a node that stays (``MAX_RETARGETS`` times at
+most). Each copy is also noted as the target's hot prompt, so a target drained later carries it on.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 
 from directory_client.types import Directory, DirectoryUnavailable, DirectoryView, HotPrefix, NodeInfo
 from gateway.decision_round import decide_round, routing_request
+from gateway.elastic import HOT_KEEP, HOT_TTL_S
 from gateway.envoy_config import PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from tokenizer.keys import block_keys
@@ -41,6 +48,7 @@ log = logging.getLogger("kvgate.drain")
 DEFAULT_DEADLINE_S = 30.0
 MAX_PREFIXES = 64  # copies per drain at most (the most recent prompts)
 COPY_CONCURRENCY = 4
+MAX_RETARGETS = 2  # a copy that failed or whose target started draining is planned again this often at most
 LINGER_S = 600.0  # the draining mark outlives the deadline by this much (the pod is gone by then)
 
 
@@ -53,6 +61,7 @@ class CopyPlan:
     target: NodeInfo
     blocks: int
     transfer_s: float  # the modelled time of the pull, over the policy's link
+    new_tokens: int = 0  # what the target does not hold yet: the memory the copy takes there
 
 
 def distinct_prefixes(hot: Iterable[HotPrefix]) -> list[HotPrefix]:
@@ -97,7 +106,7 @@ def plan_copy(
     if held >= source.cached_blocks:
         return None
     moved = (source.cached_blocks - held) * block_size
-    return CopyPlan(prefix, ids, target, source.cached_blocks, profile.transfer_seconds(moved, link))
+    return CopyPlan(prefix, ids, target, source.cached_blocks, profile.transfer_seconds(moved, link), moved)
 
 
 @dataclass
@@ -111,6 +120,7 @@ class DrainReport:
     copied: int = 0
     copy_failures: int = 0
     copied_blocks: int = 0
+    retargeted: int = 0  # copies planned again: the copy failed, or its target started draining too
     inflight_left: int = 0  # requests still in flight on the node when the drain returned
     deadline_reached: bool = False
     elapsed_s: float = 0.0
@@ -122,6 +132,12 @@ class DrainReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "complete": self.complete}
+
+
+async def note_copied(directory: Directory, plan: CopyPlan) -> None:
+    """The target now holds the prompt: note it as the target's hot prompt, so that a drain of
+    the target later (the next pod of a StatefulSet scaled in one at a time) carries it on."""
+    await directory.record_hot(plan.target.node_id, plan.prefix.model, plan.prefix.tokens, keep=HOT_KEEP, ttl_s=HOT_TTL_S)
 
 
 CopyFn = Callable[[CopyPlan, str], Awaitable[bool]]
@@ -200,33 +216,53 @@ class Drainer:
         seed = self.seed_of(prefix.model)
         ids = np.frombuffer(prefix.tokens, dtype="<u4")
         keys = np.asarray(block_keys(ids, block_size=self.block_size, seed=seed), dtype=np.uint64)
+        landed: CopyPlan | None = None  # the last copy made
+        for attempt in range(MAX_RETARGETS + 1):
+            if attempt:
+                report.retargeted += 1  # failed, or its target is leaving too: the source still holds it
+            try:
+                view = await self.directory.lookup(keys)
+                draining = await self.directory.draining()
+            except DirectoryUnavailable as e:
+                report.errors.append(f"lookup: {e}")
+                break
+            plan = plan_copy(
+                self.policy, self.profile, prefix, keys, view, source_id=source.node_id, draining=draining,
+                seed=seed, now=self.clock(), link=self.link, block_size=self.block_size,
+            )  # fmt: skip
+            if plan is None:
+                break
+            if attempt == 0:
+                report.copies_planned += 1
+            if not await self._run_copy(plan, source):
+                report.copy_failures += 1
+                continue
+            landed = plan
+            try:
+                if plan.target.node_id not in await self.directory.draining():
+                    break
+            except DirectoryUnavailable:
+                break
+        if landed is None:
+            return
+        report.copied += 1
+        report.copied_blocks += landed.blocks
         try:
-            view = await self.directory.lookup(keys)
-            draining = await self.directory.draining()
-        except DirectoryUnavailable as e:
-            report.errors.append(f"lookup: {e}")
-            return
-        plan = plan_copy(
-            self.policy, self.profile, prefix, keys, view, source_id=source.node_id, draining=draining,
-            seed=seed, now=self.clock(), link=self.link, block_size=self.block_size,
-        )  # fmt: skip
-        if plan is None:
-            return
-        report.copies_planned += 1
+            await note_copied(self.directory, landed)
+        except DirectoryUnavailable as e:  # the copy is made; only a later drain of the target misses it
+            log.warning("drain: noting the copy on %s failed: %s", landed.target.node_id, e)
+
+    async def _run_copy(self, plan: CopyPlan, source: NodeInfo) -> bool:
+        """One copy, reserved on its target like a request; False when it failed."""
         hold = max(plan.transfer_s * 4, 1.0)
-        reservation = await self.directory.reserve(plan.target.node_id, 0, first_token_s=hold, hold_s=hold)
+        reservation = await self.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=hold, hold_s=hold)
         try:
-            ok = await self.copy(plan, source.transfer_endpoint)
+            return await self.copy(plan, source.transfer_endpoint)
         except Exception as e:  # one failed copy is one prompt recomputed later, not a failed drain
             log.warning("drain copy to %s failed: %r", plan.target.node_id, e)
-            ok = False
+            return False
         finally:
             await self.directory.release(reservation)
-        if ok:
-            report.copied += 1
-            report.copied_blocks += plan.blocks
-        else:
-            report.copy_failures += 1
 
     async def _wait_idle(self, node_id: str, report: DrainReport) -> None:
         while await self._inflight(node_id, report) > 0:

@@ -4,6 +4,10 @@
   (cached ÷ prompt tokens), TTFT p99, live nodes (in the fleet the whole minute) and their requests;
 - ``scale_in_loss``: hit rate of the ``window_s`` (5 minutes) before a removal minus that of the
   ``window_s`` after, averaged over removals (positive: the removal lost hits);
+  ``scale_in_loss_reuse`` is the same over reusable tokens (cached ÷ the prompt tokens an earlier
+  request had already sent): the share of fresh text in a window drifts with the workload (new
+  conversations start, old ones end), which moves the hit rate whatever the fleet does; this one
+  moves only when a cache that could have hit did not;
 - ``scale_out``: per addition, the hit rate before and after, and ``catch_up_s``: from the event to
   the end of the first minute in which the new nodes served at least ``CATCH_UP_SHARE`` of the
   fleet's mean requests per node (None: never within the run).
@@ -67,16 +71,28 @@ def _window_hit_rate(records: Sequence[RequestRecord], start: float, end: float)
     return _hit_rate([r for r in records if r.ok and start <= r.sent_at < end])
 
 
+def _window_reuse_rate(records: Sequence[RequestRecord], start: float, end: float) -> float | None:
+    """Cached ÷ reusable tokens (what an earlier request had sent) of the requests sent in the window."""
+    rs = [r for r in records if r.ok and start <= r.sent_at < end]
+    seen = sum(r.seen_tokens for r in rs)
+    return sum(min(r.cached_tokens, r.seen_tokens) for r in rs) / seen if seen else None
+
+
 def scale_in_loss(records: Sequence[RequestRecord], members: Membership, window_s: float = WINDOW_S) -> dict[str, Any]:
     """Hit rate lost around each removal; ``mean`` averages the removals that had traffic on both sides."""
     events = []
     for t in sorted(members.removed_at):
         before = _window_hit_rate(records, t - window_s, t)
         after = _window_hit_rate(records, t, t + window_s)
+        reuse_before, reuse_after = _window_reuse_rate(records, t - window_s, t), _window_reuse_rate(records, t, t + window_s)
         events.append({"at_s": t, "nodes": members.removed_at[t], "hit_rate_before": before, "hit_rate_after": after,
-                       "loss": None if before is None or after is None else before - after})  # fmt: skip
+                       "loss": None if before is None or after is None else before - after,
+                       "reuse_before": reuse_before, "reuse_after": reuse_after,
+                       "reuse_loss": None if reuse_before is None or reuse_after is None else reuse_before - reuse_after})  # fmt: skip
     losses = [e["loss"] for e in events if e["loss"] is not None]
-    return {"mean": sum(losses) / len(losses) if losses else None, "events": events}
+    reuse = [e["reuse_loss"] for e in events if e["reuse_loss"] is not None]
+    return {"mean": sum(losses) / len(losses) if losses else None, "events": events,
+            "reuse_mean": sum(reuse) / len(reuse) if reuse else None}  # fmt: skip
 
 
 def scale_out(
@@ -112,6 +128,7 @@ def elastic_figures(records: Sequence[RequestRecord], members: Membership, copie
     return {
         "timeline": tl,
         "scale_in_loss": loss["mean"],
+        "scale_in_loss_reuse": loss["reuse_mean"],
         "scale_in_events": loss["events"],
         "scale_out_events": scale_out(records, members, tl),
         "drain_copies": dict(copies),

@@ -129,7 +129,15 @@ def test_a_draining_node_gets_no_new_request_unless_it_is_the_only_one() -> None
     view = DirectoryView((node(1, 64), node(2), node(3)))
     assert decide_round(policy, req, view, PROFILE, now=0.0, answer_tokens=8).decision.node.node_id == "n1"
     rnd = decide_round(policy, req, view, PROFILE, now=0.0, answer_tokens=8, draining=frozenset({"n1"}))
-    assert rnd.decision.node.node_id in ("n2", "n3") and rnd.decision.pull is None  # nor a pull source
+    assert rnd.decision.node.node_id in ("n2", "n3")
+    # its blocks live until it stops: the new node pulls them rather than recompute the prompt
+    assert rnd.decision.pull is not None and rnd.decision.pull.source_node_id == "n1" and rnd.decision.pull.blocks == 64
+    assert rnd.decision.expected_cached_tokens == 64 * 16 and rnd.prefill_tokens == 0
+    nopull = decide_round(make_policy("kvgate_nopull"), req, view, PROFILE, now=0.0, answer_tokens=8, draining=frozenset({"n1"}))
+    assert nopull.decision.node.node_id in ("n2", "n3") and nopull.decision.pull is None  # a policy that never pulls
+    for name in ("prefix_only", "round_robin", "least_request"):  # the balancers never send it anything
+        assert all(decide_round(make_policy(name), req, view, PROFILE, now=float(t), answer_tokens=8,
+                                draining=frozenset({"n1"})).decision.node.node_id != "n1" for t in range(6))  # fmt: skip
     alone = DirectoryView((node(1, 64),))
     assert decide_round(policy, req, alone, PROFILE, now=0.0, answer_tokens=8, draining=frozenset({"n1"})).decision.node.node_id == "n1"
 
@@ -187,6 +195,9 @@ def test_simulated_nodes_join_and_leave_on_the_virtual_clock(drain: bool) -> Non
     assert fig["timeline"][0]["hit_rate"] == sum(r.cached_tokens for r in res.records if r.ok and r.sent_at < 60) / tokens_
     if drain:
         assert fig["drain_copies"]["done"] >= 1 and fig["drain_copies"]["blocks"] > 0
+        # the two leave together: copies that first went to the other leaving node were made again
+        assert fig["drain_copies"]["retargeted"] >= 1 and fig["drain_copies"]["done"] == fig["drain_copies"]["planned"]
+        assert fig["scale_in_loss_reuse"] is not None
     else:
         assert fig["drain_copies"]["planned"] == 0
 

@@ -116,3 +116,16 @@ def test_bad_warm_up_options_are_refused_by_name(option: str, value: float) -> N
 def test_kvgate_nopull_takes_no_warm_up_option() -> None:
     with pytest.raises(ValueError, match="warmup_s"):
         make_policy("kvgate_nopull", warmup_s=60)
+
+
+def test_a_fleet_idle_for_longer_than_the_rejoin_gap_has_no_new_node() -> None:
+    """No decision for minutes says nothing about membership: the nodes present at the last
+    decision and still present now never left, so none of them is young (nor gets credited pulls)."""
+    p = make_policy("kvgate", link="rdma")
+    established(p)
+    fleet = view(node(1, 256), node(2, held=0))
+    d = p.decide(request(), fleet, PROFILE, now=600.0)  # the first request after ten idle minutes
+    assert p.warmup.young() == {}
+    assert (d.node.node_id, d.outcome) == ("n1", "owner")
+    p.decide(request(), view(node(1, 256), node(2), node(3, held=0)), PROFILE, now=900.0)  # a node joined meanwhile
+    assert set(p.warmup.young()) == {"n3"}  # is new; the others are not

@@ -120,7 +120,7 @@ class KvgatePolicy:
         est = TtftEstimator(
             profile, request, link=self.link, saturation_penalty_s=self.saturation_penalty_s, memory=memory
         )
-        source = pull_source(nodes) if self.allow_pull else None
+        source = pull_source(nodes + view.pull_sources if view.pull_sources else nodes) if self.allow_pull else None
         tol = self.tie_tolerance_s
 
         costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)

@@ -12,7 +12,8 @@ A young node's pull option gets the credit only when all of these hold:
 
 - **young**: the policy first saw the node less than ``window_s`` ago (nodes in its first view
   are established; a node absent for more than ``rejoin_gap_s`` and back is new again: a
-  restarted engine has an empty cache). The credit fades linearly over the window;
+  restarted engine has an empty cache; absent means missing from a view the policy saw, so an
+  idle spell without decisions makes no node new). The credit fades linearly over the window;
 - **a pull**: the node receives a copy of the prefix, so the conversation keeps its hit and the
   fleet's hit rate does not drop (a young node is never credited for recomputing);
 - **below the fleet's mean**, in requests in flight *and* in requests this policy routed to it
@@ -86,14 +87,20 @@ class WarmUp:
         return self.window_s > 0 and self.credit > 0
 
     def _scan(self, nodes: Sequence[NodeView], now: float) -> None:
-        """Note new and returning nodes; forget those gone long enough to count as new again."""
-        first = self._scanned_at is None
+        """Note new and returning nodes; forget those gone long enough to count as new again.
+
+        A node is back from an absence only if an earlier scan saw the fleet without it: a node
+        present at the previous scan never left, however long ago that scan was (a gateway with
+        no request for minutes has seen nobody leave, and must not take its fleet for new).
+        """
+        previous = self._scanned_at
+        first = previous is None
         self._scanned_at = now
         first_seen, last_seen = self._first_seen, self._last_seen
         for nv in nodes:
             nid = nv.node.node_id
             seen = last_seen.get(nid)
-            if seen is None or now - seen > REJOIN_GAP_S:
+            if seen is None or (seen != previous and now - seen > REJOIN_GAP_S):
                 first_seen[nid] = float("-inf") if first else now
                 self._budget.pop(nid, None)
             last_seen[nid] = now

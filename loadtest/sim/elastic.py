@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gateway.drain import COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, distinct_prefixes, plan_copy
+from gateway.drain import (
+    COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, MAX_RETARGETS, CopyPlan, distinct_prefixes, note_copied,
+    plan_copy,
+)
 from gateway.elastic import HOT_KEEP, HOT_TTL_S, HotBudget, budgeted_hot_tokens
 from gateway.types import RoutingRequest
 from loadtest.sim.sync import run_now
@@ -87,7 +90,8 @@ class Elastic:
         self.members = Membership(joined={n.node_id: 0.0 for n in sim.nodes})
         self.leaving: dict[str, float] = {}  # node_id -> deadline, while draining
         self.copies_pending: dict[str, int] = {}
-        self.copies = {"planned": 0, "done": 0, "skipped": 0, "blocks": 0}
+        self.lanes: dict[str, list[float]] = {}  # draining node -> when each of its copy lanes is free
+        self.copies = {"planned": 0, "done": 0, "skipped": 0, "blocks": 0, "retargeted": 0}
         self.hot_budget = HotBudget()  # the gateway's sampling of hot-prefix notes
 
     def start(self) -> None:
@@ -134,44 +138,64 @@ class Elastic:
         run_now(sim.directory.set_draining(node.node_id, self.deadline_s + LINGER_S))
         sim.schedule(now + self.deadline_s, lambda: self._deadline(node))
         hot = distinct_prefixes(run_now(sim.directory.hot_prefixes(node.node_id, MAX_PREFIXES * 4)))[:MAX_PREFIXES]
-        lanes = [now] * COPY_CONCURRENCY
-        pending = 0
+        self.lanes[node.node_id] = [now] * COPY_CONCURRENCY
+        self.copies_pending[node.node_id] = 0
         for prefix in hot:
-            ids = np.frombuffer(prefix.tokens, dtype="<u4")
-            keys = np.asarray(block_keys(ids, block_size=sim.bs, seed=sim.key_seed), dtype=np.uint64)
-            plan = plan_copy(
-                sim.policy, sim.profile, prefix, keys, run_now(sim.directory.lookup(keys)), source_id=node.node_id,
-                draining=self.draining(), seed=sim.key_seed, now=now, link=sim.cfg.pull_link or "tcp", block_size=sim.bs,
-            )  # fmt: skip
-            if plan is None:
+            plan = self._plan(node, prefix)
+            if plan is None or not self._schedule(node, plan, attempt=0):
                 self.copies["skipped"] += 1
                 continue
-            lane = min(range(len(lanes)), key=lanes.__getitem__)
-            lanes[lane] += plan.transfer_s
-            if lanes[lane] > now + self.deadline_s:
-                self.copies["skipped"] += 1
-                continue
-            hold = run_now(sim.directory.reserve(plan.target.node_id, 0, first_token_s=lanes[lane] - now,
-                                                 hold_s=lanes[lane] - now + 1e-3))  # fmt: skip
             self.copies["planned"] += 1
-            pending += 1
-            sim.schedule(lanes[lane], lambda p=plan, h=hold: self._copied(node, p, h))
-        self.copies_pending[node.node_id] = pending
         self.node_idle(node)
 
-    def _copied(self, source: SimNode, plan, hold) -> None:  # type: ignore[no-untyped-def]
+    def _plan(self, node: SimNode, prefix) -> CopyPlan | None:  # type: ignore[no-untyped-def]
+        sim = self.sim
+        ids = np.frombuffer(prefix.tokens, dtype="<u4")
+        keys = np.asarray(block_keys(ids, block_size=sim.bs, seed=sim.key_seed), dtype=np.uint64)
+        return plan_copy(
+            sim.policy, sim.profile, prefix, keys, run_now(sim.directory.lookup(keys)), source_id=node.node_id,
+            draining=self.draining(), seed=sim.key_seed, now=sim.now, link=sim.cfg.pull_link or "tcp", block_size=sim.bs,
+        )  # fmt: skip
+
+    def _schedule(self, node: SimNode, plan: CopyPlan, attempt: int) -> bool:
+        """Queue the copy on the least busy of the drain's lanes; False when it would end after the deadline."""
+        sim, now, lanes = self.sim, self.sim.now, self.lanes[node.node_id]
+        lane = min(range(len(lanes)), key=lanes.__getitem__)
+        end = max(lanes[lane], now) + plan.transfer_s
+        if end > self.leaving.get(node.node_id, float("-inf")):  # past its deadline, or gone
+            return False
+        lanes[lane] = end
+        hold = run_now(sim.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=end - now,
+                                             hold_s=end - now + 1e-3))  # fmt: skip
+        self.copies_pending[node.node_id] += 1
+        sim.schedule(end, lambda: self._copied(node, plan, hold, attempt))
+        return True
+
+    def _copied(self, source: SimNode, plan: CopyPlan, hold, attempt: int) -> None:  # type: ignore[no-untyped-def]
         sim = self.sim
         run_now(sim.directory.release(hold))
+        self.copies_pending[source.node_id] -= 1
         target = sim.by_id[plan.target.node_id]
         req = SimRequest.create("drain-copy", plan.token_ids, sim.sampler.reply(plan.token_ids, 1, ignore_eos=True),
                                 block_size=sim.bs, root_hash=sim.root, key_seed=sim.key_seed, arrival=sim.now)  # fmt: skip
         upto = source.cached_blocks(req, plan.blocks)  # what the source still holds
-        if upto > 0 and target in sim.nodes:
+        if upto <= 0:
+            self.node_idle(source)
+            return
+        added = 0
+        if target in sim.nodes:  # else it left meanwhile: the copy failed
             added, events = target.insert_prefix(req, upto, sim.now)
             sim.feed(target, events)
+        if (target not in sim.nodes or plan.target.node_id in self.draining()) and attempt < MAX_RETARGETS:
+            again = self._plan(source, plan.prefix)  # what Drainer does: the source still holds it
+            if again is not None and self._schedule(source, again, attempt + 1):
+                self.copies["retargeted"] += 1
+                self.node_idle(source)
+                return
+        if target in sim.nodes:
             self.copies["done"] += 1
             self.copies["blocks"] += added
-        self.copies_pending[source.node_id] -= 1
+            run_now(note_copied(sim.directory, plan))
         self.node_idle(source)
 
     def _deadline(self, node: SimNode) -> None:
