@@ -123,6 +123,7 @@ def decide_round(
     arrivals = policy.pending_arrivals if roles and isinstance(policy, KvgatePolicy) else None
     if arrivals is not None:
         arrivals.expire(now)
+        view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
     if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split
         tail = policy.first_token_tail

@@ -102,3 +102,19 @@ def test_a_split_is_not_kept_waiting_by_a_long_prompt_routed_to_its_decode_node_
     with monkeypatch.context() as m:
         assert _split_lateness(m, ledger=False) > 0.3
     assert _split_lateness(monkeypatch, ledger=True) < 0.05
+
+
+def test_the_kv_a_decode_node_is_about_to_receive_counts_against_its_memory() -> None:
+    def decoder(i: int, held: int) -> NodeView:
+        info = NodeInfo(f"d{i}", f"10.0.0.{i}:8000", f"10.0.0.{i}:9100", capacity_blocks=2000, role="decode")
+        return NodeView(info, 0, Tier.GPU, NodeLoad(2, 0), held)
+
+    view = DirectoryView((node(1, "prefill", inflight=1, queued=20_000), decoder(2, 500), decoder(3, 600)))
+    plain = decide_round(make_policy("kvgate"), request(16_000), view, PROFILE, now=0.0, answer_tokens=32)
+    assert plain.decision.node is not None and plain.decision.node.node_id == "d2"  # holds less: the tie is its
+    policy = make_policy("kvgate")
+    policy.pending_arrivals.add("d2", at=50.0, blocks=1000, until=60.0)  # lands long after this prefill: no wait
+    rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=32)
+    assert rnd.decision.node is not None and rnd.decision.node.node_id == "d3", rnd.decision.reason
+    d2 = next(c for c in rnd.decision.candidates if c.node_id == "d2")
+    assert d2.memory_s > 0  # 1000 blocks on the way leave 500 free for this prompt's 1000
