@@ -118,3 +118,18 @@ def test_the_kv_a_decode_node_is_about_to_receive_counts_against_its_memory() ->
     assert rnd.decision.node is not None and rnd.decision.node.node_id == "d3", rnd.decision.reason
     d2 = next(c for c in rnd.decision.candidates if c.node_id == "d2")
     assert d2.memory_s > 0  # 1000 blocks on the way leave 500 free for this prompt's 1000
+
+
+def test_serving_whole_where_splits_are_arriving_lets_a_split_past_the_tail_guard() -> None:
+    # both decode nodes expect a split's KV in 0.2 s; the recent first tokens all came in 0.5 s
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=24), node(3, "decode", inflight=24)]
+    view = DirectoryView(tuple(fleet))
+    guarded = warmed(make_policy("kvgate", link="rdma"), tail_s=0.5)
+    plain = decide_round(guarded, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
+    assert plain.decision.prefill is None, plain.decision.reason  # a split would lengthen the tail by its transfer
+    policy = warmed(make_policy("kvgate", link="rdma"), tail_s=0.5)
+    for d in ("d2", "d3"):
+        policy.pending_arrivals.add(d, at=0.2, blocks=1000, until=5.0)
+    rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
+    assert rnd.decision.prefill is not None, rnd.decision.reason  # serving whole would delay a first token too
+    assert "runner-up aggregated" in rnd.decision.reason and "delays arriving splits" in rnd.decision.reason
