@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from directory_client.types import DirectoryView, NodeLoad
+from gateway.policy.arrivals import PendingArrivals
 from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
 from gateway.policy.memory import MemoryPricing
@@ -88,6 +89,17 @@ def answer_tokens(
     return max(1, min(budget, ceiling))
 
 
+def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: DirectoryView, now: float) -> float:
+    """How long the aggregated decision's prefill would delay splits arriving on its node."""
+    if not arrivals or decision.node is None:
+        return 0.0
+    i = next((i for i, nv in enumerate(view.nodes) if nv.node.node_id == decision.node.node_id), None)
+    own = next((c for c in decision.candidates if c.node_id == decision.node.node_id), None)
+    if i is None or own is None:
+        return 0.0
+    return arrivals.blocking_s((view.nodes[i],), (own,), now).get(0, 0.0)
+
+
 def decide_round(
     policy: Any,  # gateway.policy.Policy
     request: RoutingRequest,
@@ -103,9 +115,10 @@ def decide_round(
 
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
     prefill); the service time adds the answer budget decoded at the node's batch size with this
-    request in it. With no node chosen every figure is zero. Nodes in ``draining`` are not
-    candidates unless no other node is live (a drain never turns traffic away); they stay pull
-    sources for the policies that pull.
+    request in it. With no node chosen every figure is zero. A split is recorded in the policy's
+    ledger of KV arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end.
+    Nodes in ``draining`` are not candidates unless no other node is live (a drain never turns
+    traffic away); they stay pull sources for the policies that pull.
     """
     if draining and any(nv.node.node_id not in draining for nv in view.nodes):
         leaving = tuple(nv for nv in view.nodes if nv.node.node_id in draining)
@@ -113,6 +126,10 @@ def decide_round(
             kept = tuple(nv for nv in view.nodes if nv.node.node_id not in draining)
             view = replace(view, nodes=kept, pull_sources=leaving)
     roles = declares_roles(view)
+    arrivals = policy.pending_arrivals if roles and isinstance(policy, KvgatePolicy) else None
+    if arrivals is not None:
+        arrivals.expire(now)
+        view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
     if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split
         tail = policy.first_token_tail
@@ -121,7 +138,7 @@ def decide_round(
             decision, request, view, profile,
             answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
-            ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s,
+            ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
         )  # fmt: skip
         if aggregated_ttft is not None:
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)
@@ -135,4 +152,7 @@ def decide_round(
     ttft_s = min(max(min(own, default=0.0), MIN_HOLD_S), max_hold_s)
     n = request.prompt_tokens
     decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + 1, n)
-    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, min(ttft_s + decode_s, max_hold_s))
+    service_s = min(ttft_s + decode_s, max_hold_s)
+    if decision.prefill is not None and arrivals is not None:  # on its way: later decisions must not block it
+        arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
+    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s)

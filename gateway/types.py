@@ -51,6 +51,7 @@ class PrefillPlan:
     prefill_tokens: int  # prompt tokens the prefill node computes: its queued prefill
     ready_s: float  # from now until its prefill is done: its load ends then
     first_token_s: float  # from now until the decode node's first token (KV moved, queue waited)
+    kv_arrives_s: float = 0.0  # from now until the prompt's KV has reached the decode node
 
 
 @dataclass(frozen=True, slots=True)

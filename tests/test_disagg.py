@@ -39,9 +39,18 @@ def request(prompt: int) -> RoutingRequest:
     return RoutingRequest(model="m", prompt_tokens=prompt, total_blocks=prompt // BS, block_size=BS, affinity=7)
 
 
+def warmed(policy, tail_s: float = 10.0):  # type: ignore[no-untyped-def]
+    """``policy`` once it has seen enough first tokens to know their p99 (``tail_s``): until then no
+    split may delay a first token."""
+    if hasattr(policy, "first_token_tail"):
+        for _ in range(128):
+            policy.first_token_tail.observe(tail_s)
+    return policy
+
+
 def decide(nodes: list[NodeView], prompt: int, answer: int, policy: str = "kvgate", **options):
-    return decide_round(make_policy(policy, **options), request(prompt), DirectoryView(tuple(nodes)), PROFILE, now=0.0,
-                        answer_tokens=answer)
+    return decide_round(warmed(make_policy(policy, **options)), request(prompt), DirectoryView(tuple(nodes)), PROFILE,
+                        now=0.0, answer_tokens=answer)
 
 
 def test_a_long_uncached_prompt_with_a_long_answer_on_a_busy_mixed_fleet_is_split() -> None:
@@ -178,7 +187,8 @@ async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of
     for info in (NodeInfo("p1", "127.0.0.1:9001", role="prefill"), NodeInfo("d1", "127.0.0.1:9002", role="decode")):
         await directory.register_node(info)
     busy = [await directory.reserve("d1", 0) for _ in range(24)]  # d1 decodes 24 answers
-    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate", link="rdma"), PROFILE, RoutingLimits(models=frozenset(["m"])))
+    core = RoutingCore(PromptTokenizer(), directory, warmed(make_policy("kvgate", link="rdma")), PROFILE,
+                       RoutingLimits(models=frozenset(["m"])))
     text = "The quarterly report on harbour traffic. " * 1500
     result = await core.route("/v1/completions", json.dumps({"model": "m", "prompt": text, "max_tokens": 2048}).encode())
     assert result.kind == "routed" and result.decision is not None
@@ -208,4 +218,7 @@ def test_a_split_never_puts_a_first_token_beyond_the_recent_p99() -> None:
     rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
     assert rnd.decision.prefill is None, rnd.decision.reason  # splitting would lengthen the tail by the transfer
     fresh = decide_round(make_policy("kvgate", link="rdma"), request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
-    assert fresh.decision.prefill is not None  # no tail known yet: the slack alone bounds it
+    assert fresh.decision.prefill is None, fresh.decision.reason  # no tail known yet: no first token is delayed
+    high = decide_round(warmed(make_policy("kvgate", link="rdma")), request(16_000), view, PROFILE, now=0.0,
+                        answer_tokens=1024)
+    assert high.decision.prefill is not None, high.decision.reason  # a tail far above: the slack alone bounds it

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from tests.support.http import post_json
+from tests.support.http import eventually, post_json
 from tests.support.stack import MODEL, Stack, chat, document
 
 
@@ -40,10 +40,21 @@ def test_a_long_prompt_with_a_long_answer_on_busy_decoders_is_split(stack: Stack
     async def busy(d):  # both decode nodes are decoding 24 answers each (held one minute)
         return [await d.reserve(n, 0, hold_s=60.0) for n in ("b", "c") for _ in range(24)]
 
+    async def queued(d):
+        loads = await d.loads()
+        return sum(load.prefill_tokens for load in loads.values())
+
     held = stack.directory_call(busy)
     try:
         long = chat(document("estuary", sentences=1200), "Write a long essay on it.")
         long["max_tokens"] = 2048
+        status, body = post_json(stack.url("/v1/chat/completions"), long)
+        assert status == 200, body
+        assert "x-prefiller-host-port" not in body["headers"]  # no first-token tail known yet: no split delays one
+        for i in range(64):  # the gateway learns its first-token tail from documents longer than this one
+            status, _ = post_json(stack.url("/v1/chat/completions"), chat(document(f"tide {i}", sentences=2400), "Sum up."))
+            assert status == 200
+        eventually(lambda: stack.directory_call(queued) == 0, timeout_s=60)  # their prefills are estimated done
         status, body = post_json(stack.url("/v1/chat/completions"), long)
         assert status == 200, body
         assert body["node"] in ("b", "c")  # the decode node is the destination

@@ -34,6 +34,11 @@ so eagerly that TTFT p99 doubled on two prefill nodes):
 - a prefill that stalls nobody (a short prompt rides in a decode step whose time is spent reading
   the weights anyway) is split only for an earlier first token.
 
+Once split, the request is on its way to the decode node: the replica records it
+(``gateway.policy.arrivals``) so that no later decision starts a long prefill there meanwhile without
+paying for the wait it causes. An aggregated decision that would cause one pays it here too, and
+then the tail guard does not hold a split back (serving whole already delays a first token).
+
 The best pair is among the few soonest or cheapest of each side (a node cannot pair with itself),
 so the search stays linear in the fleet. A split must beat the aggregated decision by more than
 the tie tolerance. Splitting is considered only in a fleet that declared roles (some node is not
@@ -63,7 +68,9 @@ class FirstTokenTail:
     A split delays a first token by the transfer at least; the fleet's TTFT p99 is made of its
     slowest first tokens (the longest prompts), so a split whose first token would land beyond the
     recent p99 is not made: the tail stays where aggregated serving puts it. Until ``warmup``
-    estimates are seen there is no tail (infinite).
+    estimates are seen the tail is unknown and taken as 0: no split may delay a first token then
+    (measured: the first split documents of a run, before the guard knew the tail, were among
+    the slowest first tokens).
     """
 
     __slots__ = ("_ring", "_count", "_p99", "warmup", "every")
@@ -71,7 +78,7 @@ class FirstTokenTail:
     def __init__(self, window: int = 1024, *, warmup: int = 64, every: int = 32) -> None:
         self._ring = np.zeros(window)
         self._count = 0
-        self._p99 = float("inf")
+        self._p99 = 0.0  # no tail known yet: no split may delay a first token
         self.warmup = warmup
         self.every = every
 
@@ -84,6 +91,15 @@ class FirstTokenTail:
     @property
     def p99_s(self) -> float:
         return self._p99
+
+
+def chunk_overhead_s(profile: HardwareProfile, tokens: int) -> float:
+    """The step overhead of a prefill's chunks after the first: an engine computes a long prompt
+    in step budgets (``max_num_batched_tokens``) and pays each step's fixed cost. The cost model's
+    prefill counts it once, which put split first tokens 8 ms (a 24k-token prompt, three chunks)
+    later than estimated, right at the tail the guard keeps them under."""
+    chunks = -(-max(tokens, 1) // profile.max_num_batched_tokens)
+    return profile.prefill_overhead_s * (chunks - 1)
 
 
 def declares_roles(view: DirectoryView) -> bool:
@@ -109,12 +125,15 @@ def split_or_not(
     memory: MemoryPricing | None = None,
     ttft_slack: float = DEFAULT_TTFT_SLACK,
     tail_s: float = float("inf"),
+    blocked_s: float = 0.0,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
     A pair qualifies only if its first token comes no later than ``(1 + ttft_slack)`` times the
     aggregated estimate (plus the tie tolerance), nor later than ``tail_s`` (the recent p99 of
-    first tokens, ``FirstTokenTail``) unless aggregated serving is already beyond it. With ``memory``, each side also pays for the
+    first tokens, ``FirstTokenTail``) unless aggregated serving is already beyond it, or delays
+    splits arriving on its node by ``blocked_s`` (``gateway.policy.arrivals``: then it lengthens a
+    first token too, and pays that delay). With ``memory``, each side also pays for the
     blocks it adds: the prefill node keeps the prompt's KV, the decode node receives all of it.
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures.
@@ -144,7 +163,7 @@ def split_or_not(
     own = next((c for c in decision.candidates if c.node_id == chosen.node_id), None)
     if agg_nv is None or own is None:
         return decision
-    aggregated = own.score + decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s)
+    aggregated = own.score + decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s) + blocked_s
 
     prefill_side: list[_Side] = []
     decode_side: list[_Side] = []
@@ -152,7 +171,7 @@ def split_or_not(
         role = nv.node.role
         if role != "decode":
             cached = est.cached_tokens(nv.cached_blocks)
-            prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier)
+            prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, n - cached)
             ready = est.queue_s(nv.load) + prefill
             prefill_side.append(_Side(ready, stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
         if role != "prefill":
@@ -165,7 +184,8 @@ def split_or_not(
     # give a sooner first token (else it only moves the answer to a less busy decode node).
     stalls = stall_s(agg_nv, own.prefill_s) > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
-    latest_first_token = min(latest_first_token, max(tail_s, own.total_s))  # a split never lengthens the tail
+    if blocked_s <= 0:  # a split never lengthens the tail (unless serving whole delays an arrival)
+        latest_first_token = min(latest_first_token, max(tail_s, own.total_s))
     best = _best_pair(prefill_side, decode_side, transfer, last_token, latest_first_token)
     if best is None:
         return replace(decision, reason=f"{decision.reason}; not split: no pair gives a first token within"
@@ -178,10 +198,11 @@ def split_or_not(
         f" (prefill done {p.wait * 1e3:.1f}ms, transfer {transfer * 1e3:.1f}ms over {link}, decode node free"
         f" {d.wait * 1e3:.1f}ms; then {d.extra * 1e3:.1f}ms decoding)"
     )
-    agg_line = f"aggregated {chosen.node_id} {aggregated * 1e3:.1f}ms, first token {own.total_s * 1e3:.1f}ms"
+    agg_line = f"aggregated {chosen.node_id} {aggregated * 1e3:.1f}ms, first token {own.total_s * 1e3:.1f}ms" + (
+        f", delays arriving splits {blocked_s * 1e3:.1f}ms" if blocked_s > 0 else "")
     if split >= aggregated - tie_tolerance_s:
         return replace(decision, reason=f"{decision.reason}; not split: {agg_line} vs runner-up {split_line}")
-    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p.tokens, p.wait, first_token)
+    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p.tokens, p.wait, first_token, p.wait + transfer)
     return replace(
         decision,
         node=d_nv.node,

@@ -26,6 +26,11 @@ A node that joined the fleet less than ``warmup_s`` ago gets a credit on its pul
 carries less than its share (``gateway.policy.warmup``): scale-out takes conversations to the new
 node with their prefixes, bounded by a share of its link.
 
+In a disaggregated fleet, a node where a split request's KV is about to land
+(``gateway.policy.arrivals``) is charged the delay this request's prefill would cause it: the
+engine's chunked prefill gives step budgets to running prompts first, so the split would wait for
+a long prompt's last chunk.
+
 A session that asked for long retention (``RoutingRequest.retention``) weighs more:
 ``session_slack_long`` (100%: up to twice the cheapest).
 """
@@ -43,6 +48,7 @@ from gateway.policy.base import (
     load_rank,
     no_nodes,
 )
+from gateway.policy.arrivals import PendingArrivals
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
 from gateway.policy.disagg import DEFAULT_TTFT_SLACK, FirstTokenTail
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
@@ -109,6 +115,7 @@ class KvgatePolicy:
         self.split_ttft_slack = float(split_ttft_slack)
         self.session_slack_long = float(session_slack_long)
         self.first_token_tail = FirstTokenTail()  # the recent p99 of first tokens: a split never lengthens it
+        self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -125,9 +132,16 @@ class KvgatePolicy:
 
         costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)
         credits = self.warmup.credits(nodes, costs, est.prefill_s(0), now=now)
+        # a long prefill where a split's KV is about to land makes that split wait (gateway.policy.arrivals)
+        blocking = self.pending_arrivals.blocking_s(nodes, costs, now)
+        ranked = credits
+        if blocking:
+            ranked = dict(credits)
+            for i, delay in blocking.items():
+                ranked[i] = ranked.get(i, 0.0) - delay
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
-        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, credits)
+        top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, ranked)
         slack = self.session_slack_long if request.retention == "long" else self.session_slack
         kept = keep_session(top, costs, nodes, request.session_node, slack, tol)
         if kept is not None:
@@ -135,7 +149,7 @@ class KvgatePolicy:
         chosen_i = top[0]
         fallbacks = distinct_addresses((nodes[i] for i in top), nodes[chosen_i], self.fallbacks)
         if len(fallbacks) < self.fallbacks and len(top) < len(nodes):  # repeated addresses: rank all
-            everyone = rank_candidates(costs, nodes, tol, len(nodes), request.affinity, credits)
+            everyone = rank_candidates(costs, nodes, tol, len(nodes), request.affinity, ranked)
             fallbacks = distinct_addresses((nodes[i] for i in everyone), nodes[chosen_i], self.fallbacks)
 
         chosen, chosen_view = costs[chosen_i], nodes[chosen_i]
@@ -166,8 +180,20 @@ class KvgatePolicy:
             candidates=tuple(costs),
             reason=("keeps its session's node; " if kept is not None else "")
             + (f"warms new node {chosen.node_id} (credit {credits[chosen_i]:.3f} s); " if warmed else "")
+            + (f"delays splits arriving here by {blocking[chosen_i] * 1e3:.1f}ms; " if chosen_i in blocking else "")
+            + spared(blocking, costs, credits, chosen_i)
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
+
+
+def spared(blocking: dict[int, float], costs: list[CandidateCost], credits: dict[int, float], chosen_i: int) -> str:
+    """The reason's note when a cheaper node lost because its prefill would delay splits arriving there."""
+    mine = costs[chosen_i].score - credits.get(chosen_i, 0.0)
+    lost = [(i, d) for i, d in blocking.items() if i != chosen_i and costs[i].score - credits.get(i, 0.0) < mine]
+    if not lost:
+        return ""
+    i, delay = min(lost, key=lambda x: costs[x[0]].score)
+    return f"not {costs[i].node_id}: its prefill would delay splits arriving there by {delay * 1e3:.1f}ms; "
 
 
 def keep_session(
