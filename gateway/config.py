@@ -244,6 +244,9 @@ class PolicyConfig(_Section):
     warmup_credit: float = Field(0.5, ge=0, description="kvgate: a young node's pull is credited this fraction of a full prefill")
     warmup_link_share: float = Field(0.5, gt=0, le=1, description="kvgate: share of a young node's link its warm-up pulls may use")
     disaggregate: bool = Field(True, description="kvgate, in a fleet with prefill/decode roles: split a request over a pair when it pays")
+    decode_serves_whole: bool = Field(
+        True, description="kvgate: decode nodes can compute a whole request themselves (false for SGLang's decode mode: every request for one is split)"
+    )
     split_ttft_slack: float = Field(
         DEFAULT_TTFT_SLACK, ge=0, description="a split that spares running decodes a long prefill may delay the first token this fraction at most"
     )

@@ -130,7 +130,10 @@ def decide_round(
     if arrivals is not None:
         arrivals.expire(now)
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
-    decision = policy.decide(request, aggregated_view(view) if roles else view, profile, now=now)
+    whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
+    decision = policy.decide(
+        request, aggregated_view(view, decode_serves_whole=whole_on_decode) if roles else view, profile, now=now
+    )
     if roles and isinstance(policy, KvgatePolicy) and policy.disaggregate:  # balancers never split
         tail = policy.first_token_tail
         aggregated_ttft = min((c.total_s for c in decision.candidates if decision.node and c.node_id == decision.node.node_id), default=None)
@@ -139,6 +142,7 @@ def decide_round(
             answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
+            decode_serves_whole=whole_on_decode,
         )  # fmt: skip
         if aggregated_ttft is not None:
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)

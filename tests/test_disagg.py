@@ -18,7 +18,7 @@ from directory_client import InProcessDirectory
 from directory_client.redis_base import decode_node, encode_node
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Tier
 from directory_client.validate import check_node
-from gateway.config import NodeConfig
+from gateway.config import NodeConfig, PolicyConfig
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_round import decide_round
 from gateway.policy import make_policy
@@ -177,6 +177,10 @@ def test_the_documented_flags_parse() -> None:
     assert fleet_yaml is not None
     roles = [NodeConfig(**n).role for n in yaml.safe_load(fleet_yaml.group(1))["fleet"]]
     assert roles == ["prefill", "decode", "decode", "both"]
+    sglang_yaml = re.search(r"```yaml\n(policy:.*?)```", doc, re.S)  # SGLang's decode mode
+    assert sglang_yaml is not None
+    policy = PolicyConfig(**yaml.safe_load(sglang_yaml.group(1))["policy"]).build()
+    assert policy.decode_serves_whole is False and policy.disaggregate
 
 
 async def test_a_split_request_loads_its_prefill_node_until_the_estimated_end_of_its_prefill() -> None:
@@ -222,3 +226,37 @@ def test_a_split_never_puts_a_first_token_beyond_the_recent_p99() -> None:
     high = decide_round(warmed(make_policy("kvgate", link="rdma")), request(16_000), view, PROFILE, now=0.0,
                         answer_tokens=1024)
     assert high.decision.prefill is not None, high.decision.reason  # a tail far above: the slack alone bounds it
+
+
+def test_decode_nodes_that_cannot_serve_whole_get_only_split_requests() -> None:
+    """SGLang's decode-mode servers cannot compute a prompt by themselves (``decode_serves_whole:
+    false``): a short prompt that would never pay a split is split all the same, over TCP, with a
+    cold first-token tail, rather than reach a decode node whole."""
+    fleet = [node(1, "prefill"), node(2, "prefill", inflight=3, queued=4000), node(3, "decode"), node(4, "decode", inflight=9)]
+    whole = decide_round(make_policy("kvgate"), request(256), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=64)
+    assert whole.decision.prefill is None and whole.decision.node.role == "decode"  # vLLM's decode nodes serve it whole
+    rnd = decide_round(make_policy("kvgate", decode_serves_whole=False), request(256), DirectoryView(tuple(fleet)),
+                       PROFILE, now=0.0, answer_tokens=64)  # fmt: skip
+    plan = rnd.decision.prefill
+    assert plan is not None and plan.node_id == "p1" and rnd.decision.node.node_id == "d3", rnd.decision.reason
+    assert rnd.decision.reason.startswith("split p1->d3 (decode nodes serve only split requests)")
+    assert rnd.ttft_s == plan.first_token_s > 0 and rnd.prefill_tokens == 0
+
+
+def test_with_a_node_that_serves_whole_only_it_or_a_split_is_chosen() -> None:
+    fleet = [node(1, "both"), node(2, "prefill", inflight=30, queued=9000), node(3, "decode")]
+    for prompt in (64, 2_000, 16_000):
+        rnd = decide(fleet, prompt, 256, link="rdma", decode_serves_whole=False)
+        assert rnd.decision.node.node_id == "b1" or rnd.decision.prefill is not None, rnd.decision.reason
+
+
+def test_no_prefill_node_live_leaves_the_request_to_the_fallback_route() -> None:
+    """Decode nodes alone cannot serve it: no destination (Envoy's fallback balances), and why."""
+    rnd = decide([node(3, "decode"), node(4, "decode")], 2_000, 64, decode_serves_whole=False)
+    assert rnd.decision.node is None and rnd.decision.outcome == "no_nodes"
+    assert "no (prefill, decode) pair is live" in rnd.decision.reason
+
+
+def test_decode_serves_whole_false_needs_disaggregation() -> None:
+    with pytest.raises(ValueError, match="needs disaggregate: true"):
+        make_policy("kvgate", decode_serves_whole=False, disaggregate=False)

@@ -107,9 +107,13 @@ def declares_roles(view: DirectoryView) -> bool:
     return any(nv.node.role != "both" for nv in view.nodes)
 
 
-def aggregated_view(view: DirectoryView) -> DirectoryView:
-    """The nodes that may serve a whole request: a prefill-only node never does."""
-    kept = tuple(nv for nv in view.nodes if nv.node.role != "prefill")
+def aggregated_view(view: DirectoryView, *, decode_serves_whole: bool = True) -> DirectoryView:
+    """The nodes that may serve a whole request: a prefill-only node never does, nor a decode
+    node whose engine cannot compute a prompt by itself (``decode_serves_whole`` False: SGLang's
+    decode mode)."""
+    kept = tuple(
+        nv for nv in view.nodes if nv.node.role == "both" or (nv.node.role == "decode" and decode_serves_whole)
+    )
     return view if len(kept) == len(view.nodes) else replace(view, nodes=kept)
 
 
@@ -126,6 +130,7 @@ def split_or_not(
     ttft_slack: float = DEFAULT_TTFT_SLACK,
     tail_s: float = float("inf"),
     blocked_s: float = 0.0,
+    decode_serves_whole: bool = True,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
@@ -136,57 +141,29 @@ def split_or_not(
     first token too, and pays that delay). With ``memory``, each side also pays for the
     blocks it adds: the prefill node keeps the prompt's KV, the decode node receives all of it.
     The returned decision names the decode node as its destination and the prefill node in
-    ``prefill``; its reason says which won and gives the runner-up's figures.
+    ``prefill``; its reason says which won and gives the runner-up's figures. With
+    ``decode_serves_whole`` False and no node chosen (no ``both`` node live), the request is split
+    over the cheapest pair (``forced_split``).
     """
     chosen = decision.node
-    if chosen is None or not declares_roles(view):
+    if not declares_roles(view) or (chosen is None and decode_serves_whole):
         return decision
-    est = TtftEstimator(profile, request, link=link)
-    n = request.prompt_tokens
-    step = profile.decode_step_seconds
-
-    def decode_s(nv: NodeView) -> float:
-        return answer_tokens * step(nv.load.inflight + 1, n)
-
-    hidden_s = profile.prefill_overhead_s + profile.decode_step_base_s
-
-    def stall_s(nv: NodeView, prefill: float) -> float:
-        if nv.node.role == "prefill" or prefill <= hidden_s:
-            return 0.0
-        return nv.load.inflight * (prefill - hidden_s)
-
-    def memory_s(nv: NodeView) -> float:
-        return memory.price(nv, request.total_blocks)[1] if memory is not None else 0.0
-
-    by_id = {nv.node.node_id: nv for nv in view.nodes}
-    agg_nv = by_id.get(chosen.node_id)
+    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, link=link, memory=memory)
+    if chosen is None:
+        return forced_split(decision, pairs, view, link)
+    agg_nv = next((nv for nv in view.nodes if nv.node.node_id == chosen.node_id), None)
     own = next((c for c in decision.candidates if c.node_id == chosen.node_id), None)
     if agg_nv is None or own is None:
         return decision
-    aggregated = own.score + decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s) + blocked_s
-
-    prefill_side: list[_Side] = []
-    decode_side: list[_Side] = []
-    for i, nv in enumerate(view.nodes):
-        role = nv.node.role
-        if role != "decode":
-            cached = est.cached_tokens(nv.cached_blocks)
-            prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, n - cached)
-            ready = est.queue_s(nv.load) + prefill
-            prefill_side.append(_Side(ready, stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
-        if role != "prefill":
-            busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
-            drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed
-            decode_side.append(_Side(drain, decode_s(nv) + memory_s(nv), i, busy=busy))
-    transfer = est.transfer_s(n)
-    last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself
+    stall_s, transfer = pairs.stall_s, pairs.transfer
+    aggregated = own.score + pairs.decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s) + blocked_s
     # Splitting spares the decodes only a prefill that would stall them; any other split must
     # give a sooner first token (else it only moves the answer to a less busy decode node).
     stalls = stall_s(agg_nv, own.prefill_s) > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
     if blocked_s <= 0:  # a split never lengthens the tail (unless serving whole delays an arrival)
         latest_first_token = min(latest_first_token, max(tail_s, own.total_s))
-    best = _best_pair(prefill_side, decode_side, transfer, last_token, latest_first_token)
+    best = _best_pair(pairs.prefill_side, pairs.decode_side, transfer, pairs.last_token, latest_first_token)
     if best is None:
         return replace(decision, reason=f"{decision.reason}; not split: no pair gives a first token within"
                                         f" {latest_first_token * 1e3:.1f}ms")
@@ -202,16 +179,78 @@ def split_or_not(
         f", delays arriving splits {blocked_s * 1e3:.1f}ms" if blocked_s > 0 else "")
     if split >= aggregated - tie_tolerance_s:
         return replace(decision, reason=f"{decision.reason}; not split: {agg_line} vs runner-up {split_line}")
-    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p.tokens, p.wait, first_token, p.wait + transfer)
+    return _split(decision, pairs, view, p, d, first_token, f"{split_line}; runner-up {agg_line}")
+
+
+def forced_split(decision: Decision, pairs: _Pairs, view: DirectoryView, link: str) -> Decision:
+    """No node may serve the request whole (decode nodes that cannot compute a prompt, and no
+    ``both`` node live): the cheapest pair, whatever its first token; ``decision`` as it is when
+    no pair is live (the caller fails open)."""
+    best = _best_pair(pairs.prefill_side, pairs.decode_side, pairs.transfer, pairs.last_token, float("inf"))
+    if best is None:
+        return replace(decision, reason=f"{decision.reason}; no (prefill, decode) pair is live")
+    p, d, first_token = best
+    p_id, d_id = view.nodes[p.index].node.node_id, view.nodes[d.index].node.node_id
+    reason = (
+        f"split {p_id}->{d_id} (decode nodes serve only split requests): first token {first_token * 1e3:.1f}ms"
+        f" (prefill done {p.wait * 1e3:.1f}ms, transfer {pairs.transfer * 1e3:.1f}ms over {link})"
+    )
+    return _split(replace(decision, outcome="recompute"), pairs, view, p, d, first_token, reason)
+
+
+def _split(decision: Decision, pairs: _Pairs, view: DirectoryView, p: _Side, d: _Side, first_token: float, reason: str) -> Decision:
+    p_nv, d_nv = view.nodes[p.index], view.nodes[d.index]
+    plan = PrefillPlan(p_nv.node.node_id, p_nv.node.address, p.tokens, p.wait, first_token, p.wait + pairs.transfer)
     return replace(
         decision,
         node=d_nv.node,
         fallbacks=(),
         pull=None,
         prefill=plan,
-        expected_cached_tokens=n,  # the decode node receives the whole prompt's KV
-        reason=f"{split_line}; runner-up {agg_line}",
+        expected_cached_tokens=pairs.prompt_tokens,  # the decode node receives the whole prompt's KV
+        reason=reason,
     )
+
+
+class _Pairs:
+    """Both sides of every (prefill, decode) pair of a view, priced for one request: the prefill
+    side's readiness and extra costs (stall, memory), the decode side's wait and decoding."""
+
+    def __init__(
+        self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *,
+        answer_tokens: int, link: str, memory: MemoryPricing | None,
+    ) -> None:
+        est = TtftEstimator(profile, request, link=link)
+        n = self.prompt_tokens = request.prompt_tokens
+        self._answer_tokens, self._step = answer_tokens, profile.decode_step_seconds
+        self._hidden_s = profile.prefill_overhead_s + profile.decode_step_base_s
+
+        def memory_s(nv: NodeView) -> float:
+            return memory.price(nv, request.total_blocks)[1] if memory is not None else 0.0
+
+        self.prefill_side: list[_Side] = []
+        self.decode_side: list[_Side] = []
+        for i, nv in enumerate(view.nodes):
+            role = nv.node.role
+            if role != "decode":
+                cached = est.cached_tokens(nv.cached_blocks)
+                prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, n - cached)
+                ready = est.queue_s(nv.load) + prefill
+                self.prefill_side.append(_Side(ready, self.stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
+            if role != "prefill":
+                busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
+                drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed
+                self.decode_side.append(_Side(drain, self.decode_s(nv) + memory_s(nv), i, busy=busy))
+        self.transfer = est.transfer_s(n)
+        self.last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself
+
+    def decode_s(self, nv: NodeView) -> float:
+        return self._answer_tokens * self._step(nv.load.inflight + 1, self.prompt_tokens)
+
+    def stall_s(self, nv: NodeView, prefill: float) -> float:
+        if nv.node.role == "prefill" or prefill <= self._hidden_s:
+            return 0.0
+        return nv.load.inflight * (prefill - self._hidden_s)
 
 
 class _Side(NamedTuple):

@@ -82,6 +82,7 @@ class KvgatePolicy:
         warmup_credit: float = DEFAULT_WARMUP_CREDIT,
         warmup_link_share: float = DEFAULT_WARMUP_LINK_SHARE,
         disaggregate: bool = True,
+        decode_serves_whole: bool = True,
         split_ttft_slack: float = DEFAULT_TTFT_SLACK,
         session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
     ) -> None:
@@ -99,6 +100,8 @@ class KvgatePolicy:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
         if not split_ttft_slack >= 0:
             raise ValueError(f"split_ttft_slack must be >= 0, got {split_ttft_slack!r}")
+        if not decode_serves_whole and not disaggregate:
+            raise ValueError("decode_serves_whole: false needs disaggregate: true (decode nodes then serve only split requests)")
         if not session_slack_long >= session_slack:
             raise ValueError(f"session_slack_long must be >= session_slack ({session_slack}), got {session_slack_long!r}")
         self.name = name
@@ -112,6 +115,7 @@ class KvgatePolicy:
         self.session_slack = float(session_slack)
         self.warmup = WarmUp(warmup_s, warmup_credit, warmup_link_share)  # scale-out: new nodes are warmed
         self.disaggregate = bool(disaggregate)  # may split a request over a (prefill, decode) pair (gateway.policy.disagg)
+        self.decode_serves_whole = bool(decode_serves_whole)  # False: SGLang's decode mode, every request there is split
         self.split_ttft_slack = float(split_ttft_slack)
         self.session_slack_long = float(session_slack_long)
         self.first_token_tail = FirstTokenTail()  # the recent p99 of first tokens: a split never lengthens it
