@@ -77,3 +77,25 @@ def test_a_client_cannot_name_a_prefill_node(stack: Stack) -> None:
     status, body = post_json(stack.url("/v1/chat/completions"), short_question(), headers=spoof)
     assert status == 200, body
     assert "x-prefiller-host-port" not in body["headers"]  # stripped before kvgate decided
+
+
+@pytest.fixture(scope="module")
+def sglang_stack(tmp_path_factory, envoy_bin, redis_url):
+    """The same fleet as SGLang runs it: decode-mode servers cannot compute a prompt themselves."""
+    s = Stack(
+        tmp_path_factory.mktemp("pd-sglang"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}", "ext_authz",
+        roles={"a": "prefill", "b": "decode", "c": "decode"},
+        kvgate_options={"policy": {"link": "rdma", "decode_serves_whole": False}},
+    )
+    yield s
+    s.stop()
+
+
+def test_with_decode_nodes_that_serve_only_splits_every_request_is_split(sglang_stack: Stack) -> None:
+    """policy.decode_serves_whole: false — even a short question on an idle fleet, which is never
+    worth a split, reaches its decode node with the prefill node named."""
+    for _ in range(4):
+        status, body = post_json(sglang_stack.url("/v1/chat/completions"), short_question())
+        assert status == 200, body
+        assert body["node"] in ("b", "c")
+        assert body["headers"].get("x-prefiller-host-port") == f"127.0.0.1:{sglang_stack.node_ports['a']}"
