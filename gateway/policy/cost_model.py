@@ -153,12 +153,14 @@ class TtftEstimator:
         source: NodeView | None = None,
         min_pull_blocks: int = 1,
         pull_margin_s: float = 0.0,
+        turnover: Sequence[float] | None = None,
     ) -> list[CandidateCost]:
         """Each node's cheaper option: serve from its own cache, or pull ``source``'s prefix first.
 
         A node pulls only if it runs a transfer agent itself (a node without one cannot receive
         blocks), ``source`` holds at least ``min_pull_blocks`` more blocks, and the pull beats its
-        own recompute by more than ``pull_margin_s``. With ``source=None`` every
+        own recompute by more than ``pull_margin_s``. ``turnover`` (one factor per node, with memory
+        priced) scales each node's eviction cost (``gateway.policy.churn``). With ``source=None`` every
         node is priced serving locally. This loop is the hot path of a decision (one call per
         request over every live node), hence the local names.
         """
@@ -174,7 +176,7 @@ class TtftEstimator:
         memory, total_blocks = self.memory, self.request.total_blocks
         out: list[CandidateCost] = []
         append = out.append
-        for nv in nodes:
+        for i, nv in enumerate(nodes):
             load = nv.load
             queue = queue_s(load)
             blocks = nv.cached_blocks
@@ -184,7 +186,7 @@ class TtftEstimator:
             prefill = prefill_s(own)
             memory_s, survival = 0.0, 1.0
             if memory is not None:
-                survival, memory_s = memory.price(nv, total_blocks)
+                survival, memory_s = memory.price(nv, total_blocks, turnover[i] if turnover is not None else 1.0)
                 queue += memory.crowding_s(nv, total_blocks, self.saturation_penalty_s)
                 if survival < 1.0:  # expected prefill: the hit is gone with probability 1 - survival
                     prefill = survival * prefill + (1.0 - survival) * prefill_s(0)
