@@ -29,48 +29,57 @@ from directory_client.types import NodeView
 
 DEFAULT_CHURN_WINDOW_S = 600.0
 MAX_FACTOR = 4.0
+REBASE_WINDOWS = 30.0  # counts are rescaled once the reference is this many windows old
 
 
 class Churn:
-    """Blocks written per node, fading with ``window_s``; turnover factors for a view."""
+    """Blocks written per node, fading with ``window_s``; turnover factors for a view.
 
-    __slots__ = ("window_s", "_written")
+    Every count fades at the same rate, so each is kept scaled to a common reference time
+    (``blocks · e^((t − ref)/window)``): the ratios ``factors`` needs come out with no
+    exponential per node (a decision prices hundreds), and the reference moves on now and then
+    so the scale stays small.
+    """
+
+    __slots__ = ("window_s", "_written", "_ref")
 
     def __init__(self, window_s: float = DEFAULT_CHURN_WINDOW_S) -> None:
         if not window_s >= 0:
             raise ValueError(f"churn_window_s must be >= 0 (0: eviction costs alike everywhere), got {window_s!r}")
         self.window_s = float(window_s)
-        self._written: dict[str, tuple[float, float]] = {}  # node_id -> (faded blocks, as of)
+        self._written: dict[str, float] = {}  # node_id -> blocks written, each scaled by e^((t - ref)/window)
+        self._ref: float | None = None
 
     def wrote(self, node_id: str, blocks: int, now: float) -> None:
         """A decision sends ``blocks`` new blocks to ``node_id``."""
         if self.window_s <= 0 or blocks <= 0:
             return
-        count, at = self._written.get(node_id, (0.0, now))
-        self._written[node_id] = (count * math.exp(min(at - now, 0.0) / self.window_s) + blocks, now)
+        if self._ref is None:
+            self._ref = now
+        elif now - self._ref > REBASE_WINDOWS * self.window_s:  # keep the scale small: fade everyone once
+            fade = math.exp((self._ref - now) / self.window_s)
+            self._written = {k: v * fade for k, v in self._written.items()}
+            self._ref = now
+        written = self._written
+        written[node_id] = written.get(node_id, 0.0) + blocks * math.exp((now - self._ref) / self.window_s)
 
     def factors(self, nodes: Sequence[NodeView], now: float) -> list[float] | None:
-        """Each node's turnover over the mean of the view's nodes of known capacity (None: no data)."""
+        """Each node's turnover over the mean of the view's nodes of known capacity (None: no data).
+
+        ``now`` is not needed: every count has faded by the same factor since it was scaled.
+        """
         if self.window_s <= 0 or not self._written:
             return None
-        written, tau, exp = self._written, self.window_s, math.exp
-        rates: list[float] = []
-        total, known = 0.0, 0
-        for nv in nodes:
-            capacity = nv.node.capacity_blocks
-            if capacity <= 0:
-                rates.append(-1.0)
-                continue
-            entry = written.get(nv.node.node_id)
-            rate = entry[0] * exp(min(entry[1] - now, 0.0) / tau) / capacity if entry is not None else 0.0
-            rates.append(rate)
-            total += rate
-            known += 1
+        written = self._written
+        rates = [written.get(nv.node.node_id, 0.0) / c if (c := nv.node.capacity_blocks) > 0 else -1.0 for nv in nodes]
+        known = [r for r in rates if r >= 0.0]
+        total = sum(known)
         if total <= 0.0:
             return None
-        mean = total / known
+        inv_mean = len(known) / total
         lo, hi = 1.0 / MAX_FACTOR, MAX_FACTOR
-        return [1.0 if r < 0 else min(max(r / mean, lo), hi) for r in rates]
+        # clamped without min/max calls: this runs over every live node on every decision
+        return [1.0 if r < 0.0 else (hi if (f := r * inv_mean) > hi else lo if f < lo else f) for r in rates]
 
     def forget(self, live: Sequence[NodeView]) -> None:
         """Drop nodes no longer in the view (a departed node's count would never fade away)."""
