@@ -28,6 +28,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, SettingsError
 
 from gateway.policy import POLICY_NAMES, Policy, make_policy, policy_options
+from gateway.policy.churn import DEFAULT_CHURN_WINDOW_S
 from gateway.policy.disagg import DEFAULT_TTFT_SLACK
 from gateway.profile import HardwareProfile, load_profile, shipped_profiles
 
@@ -236,6 +237,9 @@ class PolicyConfig(_Section):
     tie_tolerance_s: float = Field(0.001, ge=0, description="costs this close count as tied (least loaded wins)")
     memory_value: float = Field(
         1.0, ge=0, description="kvgate: worth of a block evicted from a full node, in prefills of it (0: memory is free)"
+    )
+    churn_window_s: float = Field(
+        DEFAULT_CHURN_WINDOW_S, ge=0, description="kvgate: an eviction costs more where memory turned over faster over this window (0: alike everywhere)"
     )
     session_slack: float = Field(
         0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"

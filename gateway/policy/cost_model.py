@@ -153,16 +153,18 @@ class TtftEstimator:
         source: NodeView | None = None,
         min_pull_blocks: int = 1,
         pull_margin_s: float = 0.0,
+        turnover: Sequence[float] | None = None,
     ) -> list[CandidateCost]:
         """Each node's cheaper option: serve from its own cache, or pull ``source``'s prefix first.
 
         A node pulls only if it runs a transfer agent itself (a node without one cannot receive
         blocks), ``source`` holds at least ``min_pull_blocks`` more blocks, and the pull beats its
-        own recompute by more than ``pull_margin_s``. With ``source=None`` every
+        own recompute by more than ``pull_margin_s``. ``turnover`` (one factor per node, with memory
+        priced) scales each node's eviction cost (``gateway.policy.churn``). With ``source=None`` every
         node is priced serving locally. This loop is the hot path of a decision (one call per
         request over every live node), hence the local names.
         """
-        queue_s, cached_tokens, stage_s, prefill_s = self.queue_s, self.cached_tokens, self.stage_s, self.prefill_s
+        cached_tokens, stage_s, prefill_s = self.cached_tokens, self.stage_s, self.prefill_s
         if source is not None:
             src_blocks = source.cached_blocks
             src_tokens = cached_tokens(src_blocks)
@@ -174,20 +176,34 @@ class TtftEstimator:
         memory, total_blocks = self.memory, self.request.total_blocks
         out: list[CandidateCost] = []
         append = out.append
-        for nv in nodes:
+        # queue_s inlined (same arithmetic), and a node holding nothing of the prompt (most of a
+        # large fleet) priced without calls: no staging, the whole prompt's prefill
+        busy_s, per_running, per_queued = self._busy_s, self._busy_s_per_running, self._busy_s_per_queued
+        inv_rate, max_seqs, penalty_s = self._inv_prefill_rate, self._max_seqs, self.saturation_penalty_s
+        cold_prefill = prefill_s(0)
+        for i, nv in enumerate(nodes):
             load = nv.load
-            queue = queue_s(load)
+            running = load.inflight
+            if running <= 0:
+                queue = load.prefill_tokens * inv_rate
+            else:
+                queue = busy_s + per_running * running + per_queued * load.prefill_tokens
+                if running >= max_seqs:
+                    queue += penalty_s * (running - max_seqs + 1)
             blocks = nv.cached_blocks
             tier = nv.tier
-            own = cached_tokens(blocks)
-            transfer = stage_s(own, tier)
-            prefill = prefill_s(own)
+            if blocks <= 0:
+                own, transfer, prefill = 0, 0.0, cold_prefill
+            else:
+                own = cached_tokens(blocks)
+                transfer = stage_s(own, tier)
+                prefill = prefill_s(own)
             memory_s, survival = 0.0, 1.0
             if memory is not None:
-                survival, memory_s = memory.price(nv, total_blocks)
-                queue += memory.crowding_s(nv, total_blocks, self.saturation_penalty_s)
+                survival, memory_s = memory.price(nv, total_blocks, turnover[i] if turnover is not None else 1.0)
+                queue += memory.crowding_s(nv, total_blocks, penalty_s)
                 if survival < 1.0:  # expected prefill: the hit is gone with probability 1 - survival
-                    prefill = survival * prefill + (1.0 - survival) * prefill_s(0)
+                    prefill = survival * prefill + (1.0 - survival) * cold_prefill
             via_pull = False
             if src_blocks - blocks >= min_pull_blocks and nv.node.transfer_endpoint:
                 pull_transfer = pull_memo.get((own, tier))

@@ -10,7 +10,9 @@ Memory is a cost too (``memory_value`` > 0, the default; ``gateway.policy.memory
 ranked by its estimated TTFT plus the future prefill of the blocks it would evict, with its own
 hit discounted by the chance it survives the queue ahead. On a full fleet that keeps a prefix on
 its owner unless the owner's queue costs more than a second copy takes from everyone else; with
-memory to spare it changes nothing. ``kvgate_nopull`` prices no memory (a baseline, as it was).
+memory to spare it changes nothing. An eviction costs more on a node whose memory turns over
+faster than the fleet's (``gateway.policy.churn``, over ``churn_window_s``): new prefixes go where
+the blocks waiting to be evicted are oldest. ``kvgate_nopull`` prices no memory (a baseline, as it was).
 
 Decisions that differ by less than ``tie_tolerance_s`` (1 ms) are ties, broken towards the less
 loaded node, then by a hash of (node, prompt) (``base.spread``): the model is not accurate to a millisecond, and spreading near-equal
@@ -49,6 +51,7 @@ from gateway.policy.base import (
     no_nodes,
 )
 from gateway.policy.arrivals import PendingArrivals
+from gateway.policy.churn import DEFAULT_CHURN_WINDOW_S, Churn
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
 from gateway.policy.disagg import DEFAULT_TTFT_SLACK, FirstTokenTail
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
@@ -85,6 +88,7 @@ class KvgatePolicy:
         decode_serves_whole: bool = True,
         split_ttft_slack: float = DEFAULT_TTFT_SLACK,
         session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
+        churn_window_s: float = DEFAULT_CHURN_WINDOW_S,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -118,6 +122,7 @@ class KvgatePolicy:
         self.decode_serves_whole = bool(decode_serves_whole)  # False: SGLang's decode mode, every request there is split
         self.split_ttft_slack = float(split_ttft_slack)
         self.session_slack_long = float(session_slack_long)
+        self.churn = Churn(churn_window_s)  # memory turnover per node: an eviction on a busy node costs more
         self.first_token_tail = FirstTokenTail()  # the recent p99 of first tokens: a split never lengthens it
         self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
 
@@ -134,7 +139,10 @@ class KvgatePolicy:
         source = pull_source(nodes + view.pull_sources if view.pull_sources else nodes) if self.allow_pull else None
         tol = self.tie_tolerance_s
 
-        costs = est.node_costs(nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol)
+        turnover = self.churn.factors(nodes, now) if memory is not None else None
+        costs = est.node_costs(
+            nodes, source=source, min_pull_blocks=self.min_pull_blocks, pull_margin_s=tol, turnover=turnover
+        )
         credits = self.warmup.credits(nodes, costs, est.prefill_s(0), now=now)
         # a long prefill where a split's KV is about to land makes that split wait (gateway.policy.arrivals)
         blocking = self.pending_arrivals.blocking_s(nodes, costs, now)
@@ -171,6 +179,11 @@ class KvgatePolicy:
             cached_tokens = est.cached_tokens(source.cached_blocks)
         alt = costs[top[1]] if len(top) > 1 else None
         self.warmup.routed(chosen_view.node.node_id, now)
+        if memory is not None:
+            self.churn.wrote(
+                chosen_view.node.node_id, request.total_blocks - chosen.cached_blocks, now
+            )
+            self.churn.forget(nodes)
         warmed = chosen_i in credits
         if warmed:
             self.warmup.spend(chosen_view.node.node_id, chosen.transfer_s, now)

@@ -11,6 +11,10 @@ from the engine's KV events) and the prefill queued on it (``load.prefill_tokens
 - **eviction**: the blocks this request adds beyond the node's free memory — after the prefill
   already queued there has taken its share — each worth ``block_value_s`` (the prefill of one
   block, times ``memory_value``: the chance an evicted block would have been used again);
+  On a node whose memory turns over faster than the fleet's mean the evicted blocks are younger,
+  so more likely to be asked for again: the cost is scaled by the node's turnover relative to the
+  mean (``gateway.policy.churn``, the policy's count of blocks it sent each node), so new prefixes
+  go where the oldest blocks wait to be evicted, as one pooled memory would evict them;
 - **survival**: a hit seen now is used only once the queue ahead has run, and that queue's own new
   blocks evict the least recently used ones first. The directory keeps no recency, so each held
   block is taken as equally likely to go: a prefix survives with probability
@@ -43,8 +47,11 @@ class MemoryPricing:
         self.block_size = block_size
         self.block_value_s = memory_value * block_size / profile.prefill_tokens_per_s
 
-    def price(self, nv: NodeView, prompt_blocks: int) -> tuple[float, float]:
+    def price(self, nv: NodeView, prompt_blocks: int, turnover: float = 1.0) -> tuple[float, float]:
         """(survival of the node's cached prefix, eviction cost in seconds of adding the rest).
+
+        ``turnover``: the node's memory turnover relative to the fleet's (``gateway.policy.churn``),
+        which scales what an evicted block is worth.
 
         One pass per node: a decision prices every live node (hundreds), so this stays inline
         arithmetic. Capacity unknown: (1.0, 0.0), memory is not priced.
@@ -59,7 +66,7 @@ class MemoryPricing:
             survival = max(0.0, 1.0 + free / max(nv.total_blocks, cached, 1))
         new_blocks = prompt_blocks - int(cached * survival)
         over = new_blocks - free if free > 0 else new_blocks
-        return survival, (over * self.block_value_s if over > 0 else 0.0)
+        return survival, (over * self.block_value_s * turnover if over > 0 else 0.0)
 
     @staticmethod
     def crowding_s(nv: NodeView, prompt_blocks: int, penalty_s: float) -> float:

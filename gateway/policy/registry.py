@@ -13,7 +13,7 @@ from gateway.policy.prefix_only import PrefixOnlyPolicy
 from gateway.policy.round_robin import RoundRobinPolicy
 
 
-_NOT_FOR_NOPULL = ("allow_pull", "memory_value", "warmup_s", "warmup_credit", "warmup_link_share")  # kvgate_nopull is the baseline: no pulls (so no warm-up), memory free
+_NOT_FOR_NOPULL = ("allow_pull", "memory_value", "churn_window_s", "warmup_s", "warmup_credit", "warmup_link_share")  # kvgate_nopull is the baseline: no pulls (so no warm-up), memory free
 
 
 def _kvgate_nopull(**options: Any) -> KvgatePolicy:
