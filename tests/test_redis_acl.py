@@ -197,3 +197,33 @@ def test_kvgate_takes_the_directory_user_and_password_from_the_environment(monke
     assert "gateway-password-1234" not in cfg.model_dump_json()
     with pytest.raises(ValueError, match="carries credentials"):
         open_directory("redis://u:p@127.0.0.1:6379/0", username="kvgate-gateway", password="x")
+
+
+async def test_a_gateway_keeping_a_static_fleet_clears_a_node_whose_bridge_lease_lapsed(
+    as_role, acl_redis: RedisProcess
+) -> None:
+    """The static-fleet keeper runs as ``kvgate-gateway``: it reads the writer lease and, once it
+    lapsed, clears the node's entries (``clear_if_unwritten``). Refused by Redis, the stale entries
+    would keep drawing the node's old prompts after its bridge died."""
+    bridge = as_role("kvgate-bridge")
+    await bridge.register_node(NODE)
+    assert await bridge.claim_writer("e1", "bridge-a", 10.0) == WriterLease.TAKEN
+    await bridge.record_stored("e1", KEYS[:8])
+    gateway = as_role("kvgate-gateway")
+    assert await gateway.writer("e1") == "bridge-a"
+    assert not await gateway.clear_if_unwritten("e1")  # held: nothing cleared
+    assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
+    await bridge.release_writer("e1", "bridge-a")
+    assert await gateway.writer("e1") is None
+    assert await gateway.clear_if_unwritten("e1")
+    assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 0
+    await refused(as_role("kvgate-gateway").claim_writer("e1", "gw", 10.0), acl_redis)  # still not a writer
+    assert await bridge.claim_writer("e1", "bridge-b", 10.0) == WriterLease.TAKEN
+    await refused(as_role("kvgate-gateway").release_writer("e1", "bridge-b"), acl_redis)  # nor drops a bridge's lease
+    async with aioredis.Redis(port=acl_redis.port, username="kvgate-gateway", password=PASSWORDS["kvgate-gateway"]) as raw:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.delete("kvgate:{e1}:writer")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.pexpire("kvgate:{e1}:writer", 1)
+    assert await gateway.writer("e1") == "bridge-b"
+    await gateway.deregister_node("e1")
