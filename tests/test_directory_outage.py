@@ -15,6 +15,7 @@ from redis.crc import key_slot
 
 from directory_client import DirectoryUnavailable, NodeInfo, NodeLoad, Reservation, Tier, open_directory
 from tests.conftest import free_port
+from directory_client.scripts import scripts
 from tests.redis_servers import RedisProcess, redis_cluster
 
 OP_TIMEOUT_S = 0.3
@@ -200,3 +201,113 @@ async def test_a_reserve_whose_answer_is_lost_is_given_back(private_redis: Redis
         assert (await d.loads())["n1"] == NodeLoad()
     finally:
         await d.aclose()
+
+
+class HoldingProxy:
+    """A TCP proxy in front of Redis that, once armed, holds back the bytes of the connection whose
+    next write carries ``marker`` (and everything after on that connection) until ``deliver``:
+    one connection's packets late (retransmitted, queued in a loaded network), the others on time."""
+
+    def __init__(self, upstream_port: int, marker: bytes) -> None:
+        self.upstream_port = upstream_port
+        self.marker = marker
+        self.armed = False
+        self.held: list[tuple[asyncio.StreamWriter, bytearray, list[bool]]] = []
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> "HoldingProxy":
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await self._pipe(client_r, client_w)
+        except asyncio.CancelledError:  # the proxy closes: end quietly
+            client_w.close()
+
+    async def _pipe(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+
+        async def down() -> None:
+            try:
+                while data := await up_r.read(65536):
+                    client_w.write(data)
+                    await client_w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                client_w.close()
+
+        pump = asyncio.ensure_future(down())
+        held: bytearray | None = None
+        closed = [False]
+        try:
+            while data := await client_r.read(65536):
+                if held is None and self.armed and self.marker in data:
+                    self.armed = False
+                    held = bytearray()
+                    self.held.append((up_w, held, closed))
+                if held is not None:
+                    held += data
+                else:
+                    up_w.write(data)
+                    await up_w.drain()
+        except (ConnectionError, OSError):
+            pass
+        closed[0] = True  # the client gave up on this connection (a timeout drops it)
+        if held is None:
+            up_w.close()
+        await asyncio.gather(pump, return_exceptions=True)
+
+    async def deliver(self) -> None:
+        """The held bytes arrive at last, then their connection closes."""
+        for up_w, held, _ in self.held:
+            up_w.write(bytes(held))
+            await up_w.drain()
+            up_w.close()
+        self.held.clear()
+
+    async def aclose(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def test_a_lost_reserve_that_lands_after_its_release_is_still_given_back(private_redis: RedisProcess) -> None:
+    """The reserve's packets are late; the background release of the lost answer, on a fresh
+    connection, reaches the server first and finds nothing to give back. When the reserve lands
+    it must not take the node's load (no one holds its token any more): else the node looks busy
+    until the reservation's end (``max_request_s``, 10 minutes by default)."""
+    proxy = await HoldingProxy(private_redis.port, scripts()["reserve"].sha.encode()).start()
+    d = open_directory(
+        f"redis://127.0.0.1:{proxy.port}/0", key_prefix="late", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600
+    )
+    try:
+        await prime(d)
+        proxy.armed = True
+        with pytest.raises(DirectoryUnavailable):
+            await d.reserve("n1", 300, first_token_s=1.0, hold_s=2.0)
+        assert proxy.held, "the reserve was not held back"
+        deadline = time.monotonic() + BOUND_S
+        while d._lost and time.monotonic() < deadline:  # the background release answered
+            await asyncio.sleep(0.05)
+        await proxy.deliver()  # the late reserve runs now
+        await asyncio.sleep(0.3)
+        assert (await d.loads())["n1"] == NodeLoad()
+        # what marked the release falls due with the reservation's end and takes nothing away
+        held = await d.reserve("n1", 50, first_token_s=30.0)
+        await asyncio.sleep(2.0)
+        assert (await d.loads())["n1"] == NodeLoad(1, 50)
+        await d.release(held)
+        assert (await d.loads())["n1"] == NodeLoad()
+    finally:
+        await d.aclose()
+        await proxy.aclose()
