@@ -234,3 +234,45 @@ async def test_a_lost_reserve_that_lands_after_its_release_is_still_given_back(p
     finally:
         await d.aclose()
         await proxy.aclose()
+
+
+async def test_a_burst_of_reserves_lost_in_a_stall_is_all_given_back_and_closing_ends_the_retries(
+    private_redis: RedisProcess,
+) -> None:
+    """Hundreds of requests reserve while the server is stalled (before the circuit opens, every
+    one is sent): each lost answer gets one background release, and when the server wakes all of
+    them are given back; a client closed meanwhile leaves no retry running."""
+    d = open_directory(private_redis.url, key_prefix="burst", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600)
+    closed = open_directory(private_redis.url, key_prefix="burst2", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600)
+    try:
+        await prime(d)
+        await prime(closed)
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            results = await asyncio.gather(*(d.reserve("n1", 10) for _ in range(300)), return_exceptions=True)
+            assert all(isinstance(r, DirectoryUnavailable) for r in results)
+            assert 0 < len(d._lost) <= 300
+            with pytest.raises(DirectoryUnavailable):
+                await closed.reserve("n1", 10)
+            assert len(closed._lost) == 1
+            lost = set(closed._lost)
+            await closed.aclose()
+            await asyncio.sleep(0)
+            assert all(t.done() for t in lost)
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5 * BOUND_S
+        while (d._lost or (await loads_or_none(d)) != NodeLoad()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not d._lost
+        assert (await d.loads())["n1"] == NodeLoad()
+    finally:
+        await d.aclose()
+
+
+async def loads_or_none(d: Any) -> NodeLoad | None:
+    try:
+        return (await d.loads())["n1"]
+    except DirectoryUnavailable:
+        return None
