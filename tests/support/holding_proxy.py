@@ -7,12 +7,12 @@ import asyncio
 
 class HoldingProxy:
     """A TCP proxy in front of Redis that, once armed, holds back the bytes of the connection whose
-    next write carries ``marker`` (and everything after on that connection) until ``deliver``:
+    next write carries ``marker`` (and every one of ``also``; and everything after on that connection) until ``deliver``:
     one connection's packets late (retransmitted, queued in a loaded network), the others on time."""
 
-    def __init__(self, upstream_port: int, marker: bytes) -> None:
+    def __init__(self, upstream_port: int, marker: bytes, *also: bytes) -> None:
         self.upstream_port = upstream_port
-        self.marker = marker
+        self.markers = (marker, *also)  # all of them in one write
         self.armed = False
         self.held: list[tuple[asyncio.StreamWriter, bytearray, list[bool]]] = []
         self.server: asyncio.Server | None = None
@@ -51,7 +51,7 @@ class HoldingProxy:
         closed = [False]
         try:
             while data := await client_r.read(65536):
-                if held is None and self.armed and self.marker in data:
+                if held is None and self.armed and all(m in data for m in self.markers):
                     self.armed = False
                     held = bytearray()
                     self.held.append((up_w, held, closed))
