@@ -21,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from directory_client import open_directory
-from directory_client.types import DirectoryUnavailable, NodeInfo, Tier, WriterLease
+from directory_client.types import DirectoryUnavailable, NodeInfo, Reservation, Tier, WriterLease
 from gateway.config import load_config
 from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
@@ -149,6 +149,12 @@ async def test_a_gateway_routes_and_reserves_and_cannot_write_block_entries(as_r
     reservation = await gateway.reserve("e1", 64, first_token_s=1.0)
     assert (await gateway.loads())["e1"].inflight == 1
     await gateway.release(reservation)
+    lost = Reservation("e1", 1, 64, "lost-1|64")  # a reserve whose answer was lost, not run yet
+    gateway._release_lost(lost, 5.0)
+    while gateway._lost:
+        await asyncio.sleep(0.01)
+    with admin(acl_redis) as r:
+        assert r.zscore("kvgate:{e1}:resv", b"x:lost-1|64") is not None  # what stops it if it lands
     await gateway.record_session("sess-1", "e1", 30.0)
     assert await gateway.session_node("sess-1") == "e1"
 
