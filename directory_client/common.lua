@@ -52,9 +52,10 @@ local function current_load(load, resv, now)
     for i = 1, #due do
       local m = due[i]
       local n = tonumber(string.match(m, '|(%d+)$')) or 0
-      if string.sub(m, 1, 2) == 'p:' then
+      local head = string.sub(m, 1, 2)
+      if head == 'p:' then
         tokens = tokens + n
-      else
+      elseif head ~= 'x:' then  -- "x:": a release that came before its reserve (release.lua)
         ended = ended + 1
         -- prefill settles no later than its reservation ends, but never count it twice
         if redis.call('ZREM', resv, 'p:' .. m) == 1 then tokens = tokens + n end

@@ -9,7 +9,8 @@ live in one slot and one script can touch them together):
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
   P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms), and, while its
-                            prefill counts, "p:token|prefill" -> when its first token is due
+                            prefill counts, "p:token|prefill" -> when its first token is due;
+                            "x:token|prefill" -> its end, for a reserve released before it ran
   P:{node}:hot        zset  msgpack [model, tokens] -> when the gateway last routed it (s, its clock)
   {P}:draining        zset  node_id -> until when it takes no new requests (s, the drainer's clock)
 
@@ -469,11 +470,14 @@ class RedisDirectoryBase(ABC):
         server may still run it (a stalled server wakes, a slow answer is dropped), and nobody
         else knows its token, so the node would look busy until the reservation's own end."""
         deadline = time.monotonic() + end_s
+        nk = self._keys(reservation.node_id)
 
         async def retry() -> None:
-            while time.monotonic() < deadline:
+            while (left_s := deadline - time.monotonic()) > 0:
                 try:
-                    await self.release(reservation)  # idempotent: a reserve that never ran is a no-op
+                    # idempotent; a reserve not run yet finds a tombstone until its end and takes nothing
+                    async with self._io("release"):
+                        await self._eval("release", (nk.load, nk.resv), (reservation.token, max(1, int(left_s * 1000))))
                     return
                 except DirectoryUnavailable:
                     await asyncio.sleep(max(self.op_timeout_s, self.breaker.retry_in_s))

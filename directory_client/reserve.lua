@@ -12,6 +12,8 @@ local now = now_ms()
 local inflight = current_load(KEYS[1], KEYS[2], now)
 -- a unique member: a client retrying after a lost reply cannot count one request twice
 if redis.call('ZSCORE', KEYS[2], ARGV[1]) then return 0 end
+-- released already: its answer was lost and the release got there first (release.lua)
+if redis.call('ZSCORE', KEYS[2], 'x:' .. ARGV[1]) then return 0 end
 if ARGV[5] ~= '' and inflight > tonumber(ARGV[5]) then return -1 end
 local ends = now + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[2], ends, ARGV[1])

@@ -397,7 +397,10 @@ class RoutingCore:
                 if again.failed is None:
                     assert again.round is not None
                     rnd = again.round
-                    reservation = await self._reserve(rnd, hold, conditional=False)
+                    try:
+                        reservation = await self._reserve(rnd, hold, conditional=False)
+                    except (DirectoryUnavailable, TimeoutError):  # as below: the decision stands
+                        metrics.DIRECTORY_ERRORS.labels("reserve").inc()
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()

@@ -255,14 +255,22 @@ class Drainer:
     async def _run_copy(self, plan: CopyPlan, source: NodeInfo) -> bool:
         """One copy, reserved on its target like a request; False when it failed."""
         hold = max(plan.transfer_s * 4, 1.0)
-        reservation = await self.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=hold, hold_s=hold)
+        try:
+            reservation = await self.directory.reserve(plan.target.node_id, plan.new_tokens, first_token_s=hold, hold_s=hold)
+        except DirectoryUnavailable as e:  # the copy is still worth making; only its pricing misses it
+            log.warning("drain: reserving the copy on %s failed: %s", plan.target.node_id, e)
+            reservation = None
         try:
             return await self.copy(plan, source.transfer_endpoint)
         except Exception as e:  # one failed copy is one prompt recomputed later, not a failed drain
             log.warning("drain copy to %s failed: %r", plan.target.node_id, e)
             return False
         finally:
-            await self.directory.release(reservation)
+            if reservation is not None:
+                try:
+                    await self.directory.release(reservation)
+                except DirectoryUnavailable:  # it ends by itself at its hold
+                    pass
 
     async def _wait_idle(self, node_id: str, report: DrainReport) -> None:
         while await self._inflight(node_id, report) > 0:

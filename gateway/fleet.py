@@ -94,10 +94,10 @@ class StaticFleetKeeper:
             return
         if node.node_id not in self._written:
             return
-        self._written.discard(node.node_id)
-        if await self.directory.clear_if_unwritten(node.node_id):
+        if await self.directory.clear_if_unwritten(node.node_id):  # a failure: tried again next tick
             WRITER_LAPSES.labels(node.node_id).inc()
             log.warning("node %s: its KV-event bridge stopped holding the writer lease; entries cleared, routed by load", node.node_id)
+        self._written.discard(node.node_id)
 
     async def aclose(self) -> None:
         if self._task is not None:

@@ -215,3 +215,55 @@ async def test_the_answer_budget_is_clamped_to_the_context_left(tok) -> None:
     huge = await core.route("/v1/completions", body(text, max_tokens=10**9), sees_response_end=False)
     # the prompt is ~180 tokens: what is left of a 4096-token context is at most ~3,900 tokens
     assert huge.service_s <= fits.service_s * 4096 / 3000
+
+
+async def test_a_decision_made_again_after_a_conflict_is_routed_even_if_its_reserve_times_out(tok) -> None:
+    """Redis: another replica takes the node right after our lookup (the conflict), and the
+    reserve of the decision made again times out (Redis slow for that call). The request is
+    still routed by that decision, like any request whose reserve failed, not failed open as an
+    internal error; the lost reserve is given back."""
+    import uuid
+
+    from directory_client.redis_single import RedisDirectory
+    from directory_client.scripts import scripts
+    from tests.redis_servers import purge_prefix
+    from tests.support.holding_proxy import HoldingProxy
+
+    class RacingRedis(RedisDirectory):
+        raced = False
+
+        async def lookup(self, keys, session=""):
+            view = await super().lookup(keys, session) if session else await super().lookup(keys)
+            if not self.raced:
+                self.raced = True
+                await self.reserve("n1", 1000, if_inflight_at_most=99)  # "another replica" takes n1 after our lookup
+            return view
+
+    text = "The quarterly report on harbour traffic. " * 200
+    prompt = tok.tokenize_body("/v1/completions", json.loads(body(text)))
+    keys = block_keys(prompt.token_ids, block_size=16, seed=namespace_seed(MODEL))
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:12]}"
+    # the unconditional reserve: its last argument (the in-flight limit) is empty
+    proxy = await HoldingProxy(6379, scripts()["reserve"].sha.encode(), b"$0\r\n\r\n").start()
+    directory = RacingRedis.from_url(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix, index_stride=1,
+                                     heartbeat_ttl_s=600, op_timeout_s=0.3)  # fmt: skip
+    try:
+        core = await core_over(directory, tok)
+        await directory.record_stored("n1", keys, Tier.GPU)
+        proxy.armed = True
+        result = await core.route("/v1/completions", body(text))
+        assert proxy.held, "the second reserve was not held back"
+        assert directory.raced
+        assert (result.kind, result.reason) == ("routed", ""), result
+        assert result.reservation is None  # the load accounting misses it, as for any failed reserve
+        for _ in range(50):
+            if not directory._lost:
+                break
+            await asyncio.sleep(0.1)
+        await proxy.deliver()  # the lost reserve lands late: it takes nothing
+        await asyncio.sleep(0.3)
+        assert await directory.loads() == {"n1": NodeLoad(1, 1000), "n2": NodeLoad()}
+    finally:
+        await directory.aclose()
+        await proxy.aclose()
+        purge_prefix("redis://127.0.0.1:6379/0", prefix)

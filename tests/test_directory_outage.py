@@ -15,7 +15,9 @@ from redis.crc import key_slot
 
 from directory_client import DirectoryUnavailable, NodeInfo, NodeLoad, Reservation, Tier, open_directory
 from tests.conftest import free_port
+from directory_client.scripts import scripts
 from tests.redis_servers import RedisProcess, redis_cluster
+from tests.support.holding_proxy import HoldingProxy
 
 OP_TIMEOUT_S = 0.3
 # "never hangs": generous against a loaded 2-core machine, far below a hang
@@ -200,3 +202,77 @@ async def test_a_reserve_whose_answer_is_lost_is_given_back(private_redis: Redis
         assert (await d.loads())["n1"] == NodeLoad()
     finally:
         await d.aclose()
+
+
+async def test_a_lost_reserve_that_lands_after_its_release_is_still_given_back(private_redis: RedisProcess) -> None:
+    """The reserve's packets are late; the background release of the lost answer, on a fresh
+    connection, reaches the server first and finds nothing to give back. When the reserve lands
+    it must not take the node's load (no one holds its token any more): else the node looks busy
+    until the reservation's end (``max_request_s``, 10 minutes by default)."""
+    proxy = await HoldingProxy(private_redis.port, scripts()["reserve"].sha.encode()).start()
+    d = open_directory(
+        f"redis://127.0.0.1:{proxy.port}/0", key_prefix="late", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600
+    )
+    try:
+        await prime(d)
+        proxy.armed = True
+        with pytest.raises(DirectoryUnavailable):
+            await d.reserve("n1", 300, first_token_s=1.0, hold_s=2.0)
+        assert proxy.held, "the reserve was not held back"
+        deadline = time.monotonic() + BOUND_S
+        while d._lost and time.monotonic() < deadline:  # the background release answered
+            await asyncio.sleep(0.05)
+        await proxy.deliver()  # the late reserve runs now
+        await asyncio.sleep(0.3)
+        assert (await d.loads())["n1"] == NodeLoad()
+        # what marked the release falls due with the reservation's end and takes nothing away
+        held = await d.reserve("n1", 50, first_token_s=30.0)
+        await asyncio.sleep(2.0)
+        assert (await d.loads())["n1"] == NodeLoad(1, 50)
+        await d.release(held)
+        assert (await d.loads())["n1"] == NodeLoad()
+    finally:
+        await d.aclose()
+        await proxy.aclose()
+
+
+async def test_a_burst_of_reserves_lost_in_a_stall_is_all_given_back_and_closing_ends_the_retries(
+    private_redis: RedisProcess,
+) -> None:
+    """Hundreds of requests reserve while the server is stalled (before the circuit opens, every
+    one is sent): each lost answer gets one background release, and when the server wakes all of
+    them are given back; a client closed meanwhile leaves no retry running."""
+    d = open_directory(private_redis.url, key_prefix="burst", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600)
+    closed = open_directory(private_redis.url, key_prefix="burst2", op_timeout_s=OP_TIMEOUT_S, index_stride=1, heartbeat_ttl_s=600)
+    try:
+        await prime(d)
+        await prime(closed)
+        assert private_redis.proc is not None
+        os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        try:
+            results = await asyncio.gather(*(d.reserve("n1", 10) for _ in range(300)), return_exceptions=True)
+            assert all(isinstance(r, DirectoryUnavailable) for r in results)
+            assert 0 < len(d._lost) <= 300
+            with pytest.raises(DirectoryUnavailable):
+                await closed.reserve("n1", 10)
+            assert len(closed._lost) == 1
+            lost = set(closed._lost)
+            await closed.aclose()
+            await asyncio.sleep(0)
+            assert all(t.done() for t in lost)
+        finally:
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5 * BOUND_S
+        while (d._lost or (await loads_or_none(d)) != NodeLoad()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert not d._lost
+        assert (await d.loads())["n1"] == NodeLoad()
+    finally:
+        await d.aclose()
+
+
+async def loads_or_none(d: Any) -> NodeLoad | None:
+    try:
+        return (await d.loads())["n1"]
+    except DirectoryUnavailable:
+        return None

@@ -126,3 +126,45 @@ def test_a_copy_in_progress_counts_its_blocks_on_its_target() -> None:
 
     asyncio.run(go())
     assert seen == [(64 * BS, 64 * BS)]
+
+
+def test_a_copy_whose_reservation_failed_does_not_abort_the_drain() -> None:
+    """Redis is slow for one call (the copy's reserve times out): the drain still copies, waits for
+    the node's requests and answers with its report; raising instead would let the pod go at once."""
+    import uuid
+
+    from directory_client import open_directory
+    from directory_client.scripts import scripts
+    from tests.redis_servers import purge_prefix
+    from tests.support.holding_proxy import HoldingProxy
+
+    prompt = np.arange(64 * BS, dtype=np.uint32)
+    prefix = f"kvgate-test:{uuid.uuid4().hex[:12]}"
+
+    async def go():
+        proxy = await HoldingProxy(6379, scripts()["reserve"].sha.encode()).start()
+        d = open_directory(f"redis://127.0.0.1:{proxy.port}/0", key_prefix=prefix, index_stride=1,
+                           heartbeat_ttl_s=600, op_timeout_s=0.3)  # fmt: skip
+        try:
+            for i in range(1, 4):
+                await d.register_node(info(i))
+            await d.record_stored("n1", list(block_keys(prompt, block_size=BS, seed=SEED)))
+            await d.record_hot("n1", "m", prompt.astype("<u4").tobytes(), keep=HOT_KEEP, ttl_s=HOT_TTL_S)
+            copies: list[str] = []
+
+            async def copy(plan: CopyPlan, source: str) -> bool:
+                copies.append(plan.target.node_id)
+                return True
+
+            proxy.armed = True
+            report = await Drainer(d, make_policy("kvgate", link="rdma"), PROFILE, copy, seed_of=lambda _m: SEED,
+                                   block_size=BS, link="rdma", poll_s=0.01).drain("n1", deadline_s=5.0)  # fmt: skip
+            return report, copies, bool(proxy.held)
+        finally:
+            await d.aclose()
+            await proxy.aclose()
+            purge_prefix("redis://127.0.0.1:6379/0", prefix)
+
+    report, copies, held = asyncio.run(go())
+    assert held, "the copy's reserve was not held back"
+    assert report.copied == 1 and len(copies) == 1 and report.inflight_left == 0

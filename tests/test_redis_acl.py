@@ -10,6 +10,8 @@ records the refusal in ``ACL LOG``, and the keys are left exactly as they were.
 
 from __future__ import annotations
 
+import asyncio
+
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from directory_client import open_directory
-from directory_client.types import DirectoryUnavailable, NodeInfo, Tier, WriterLease
+from directory_client.types import DirectoryUnavailable, NodeInfo, Reservation, Tier, WriterLease
 from gateway.config import load_config
 from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
@@ -147,6 +149,12 @@ async def test_a_gateway_routes_and_reserves_and_cannot_write_block_entries(as_r
     reservation = await gateway.reserve("e1", 64, first_token_s=1.0)
     assert (await gateway.loads())["e1"].inflight == 1
     await gateway.release(reservation)
+    lost = Reservation("e1", 1, 64, "lost-1|64")  # a reserve whose answer was lost, not run yet
+    gateway._release_lost(lost, 5.0)
+    while gateway._lost:
+        await asyncio.sleep(0.01)
+    with admin(acl_redis) as r:
+        assert r.zscore("kvgate:{e1}:resv", b"x:lost-1|64") is not None  # what stops it if it lands
     await gateway.record_session("sess-1", "e1", 30.0)
     assert await gateway.session_node("sess-1") == "e1"
 
@@ -197,3 +205,76 @@ def test_kvgate_takes_the_directory_user_and_password_from_the_environment(monke
     assert "gateway-password-1234" not in cfg.model_dump_json()
     with pytest.raises(ValueError, match="carries credentials"):
         open_directory("redis://u:p@127.0.0.1:6379/0", username="kvgate-gateway", password="x")
+
+
+async def test_a_gateway_keeping_a_static_fleet_clears_a_node_whose_bridge_lease_lapsed(
+    as_role, acl_redis: RedisProcess
+) -> None:
+    """The static-fleet keeper runs as ``kvgate-gateway``: it reads the writer lease and, once it
+    lapsed, clears the node's entries (``clear_if_unwritten``). Refused by Redis, the stale entries
+    would keep drawing the node's old prompts after its bridge died."""
+    bridge = as_role("kvgate-bridge")
+    await bridge.register_node(NODE)
+    assert await bridge.claim_writer("e1", "bridge-a", 10.0) == WriterLease.TAKEN
+    await bridge.record_stored("e1", KEYS[:8])
+    gateway = as_role("kvgate-gateway")
+    assert await gateway.writer("e1") == "bridge-a"
+    assert not await gateway.clear_if_unwritten("e1")  # held: nothing cleared
+    assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
+    await bridge.release_writer("e1", "bridge-a")
+    assert await gateway.writer("e1") is None
+    assert await gateway.clear_if_unwritten("e1")
+    assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 0
+    await refused(as_role("kvgate-gateway").claim_writer("e1", "gw", 10.0), acl_redis)  # still not a writer
+    assert await bridge.claim_writer("e1", "bridge-b", 10.0) == WriterLease.TAKEN
+    await refused(as_role("kvgate-gateway").release_writer("e1", "bridge-b"), acl_redis)  # nor drops a bridge's lease
+    async with aioredis.Redis(port=acl_redis.port, username="kvgate-gateway", password=PASSWORDS["kvgate-gateway"]) as raw:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.delete("kvgate:{e1}:writer")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await raw.pexpire("kvgate:{e1}:writer", 1)
+    assert await gateway.writer("e1") == "bridge-b"
+    await gateway.deregister_node("e1")
+
+
+async def test_a_keeper_whose_clear_was_refused_tries_again_on_the_next_tick(as_role, acl_redis: RedisProcess) -> None:
+    """The gateway is upgraded before Redis's users are (the old gateway rule: no clear). The
+    keeper's clear is refused once; when the users are updated, the next tick must still clear
+    the dead bridge's entries rather than have forgotten that the node was bridged."""
+    from aiohttp import web
+
+    from gateway.fleet import StaticFleetKeeper
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    node = NodeInfo("e1", f"127.0.0.1:{port}", model="m")
+    old_rule = "(~kvgate:{*}:meta ~kvgate:{*}:blocks ~kvgate:{*}:load ~kvgate:{*}:resv +evalsha +pexpire +del)"
+    clear_rule = "(~kvgate:{*}:writer ~kvgate:{*}:blocks +evalsha)"
+    bridge, gateway = as_role("kvgate-bridge"), as_role("kvgate-gateway")
+    keeper = StaticFleetKeeper(gateway, [node], interval_s=3600)
+    try:
+        with admin(acl_redis) as r:
+            r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule)
+        await bridge.register_node(node)
+        assert await bridge.claim_writer("e1", "bridge-a", 0.3) == WriterLease.TAKEN
+        await bridge.record_stored("e1", KEYS[:8])
+        await keeper.start()  # sees the bridge's lease
+        await asyncio.sleep(0.5)  # the bridge died: its lease lapsed
+        await keeper.tick()  # the clear is refused
+        assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
+        with admin(acl_redis) as r:
+            r.execute_command("ACL", "SETUSER", "kvgate-gateway", clear_rule)
+        await keeper.tick()
+        assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 0
+    finally:
+        with admin(acl_redis) as r:
+            r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule, clear_rule)
+        await keeper.aclose()
+        await runner.cleanup()
