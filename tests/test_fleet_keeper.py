@@ -9,13 +9,12 @@ import asyncio
 import uuid
 
 import pytest
-from aiohttp import web
 
 from directory_client import NodeInfo, WriterLease, open_directory
 from gateway.fleet import StaticFleetKeeper
 from gateway.metrics import REGISTRY
-from tests.conftest import free_port
 from tests.redis_servers import purge_prefix
+from tests.support.engines import healthy_engine
 from tokenizer.keys import block_keys, namespace_seed
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -26,17 +25,8 @@ KEYS = list(block_keys(list(range(96)), block_size=16, seed=namespace_seed("m"))
 @pytest.fixture
 async def engine():
     """A healthy engine's /health on a free port."""
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    yield NodeInfo("s1", f"127.0.0.1:{port}", model="m")
-    await runner.cleanup()
+    async with healthy_engine() as port:
+        yield NodeInfo("s1", f"127.0.0.1:{port}", model="m")
 
 
 @pytest.fixture

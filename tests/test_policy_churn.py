@@ -12,6 +12,7 @@ from gateway.policy import make_policy
 from gateway.policy.churn import MAX_FACTOR, Churn
 from gateway.profile import HardwareProfile
 from gateway.types import RoutingRequest
+from tests.support.engines import sample_profile
 
 BS = 16
 CAPACITY = 4000
@@ -19,13 +20,7 @@ CAPACITY = 4000
 
 @pytest.fixture(scope="module")
 def profile() -> HardwareProfile:
-    return HardwareProfile(
-        name="test-8b", model="test", hardware="test",
-        kv_bytes_per_token=131072, kv_capacity_blocks=CAPACITY, max_num_seqs=256,
-        prefill_tokens_per_s=18000, prefill_attention_s_per_token2=2.0e-9, prefill_overhead_s=0.004,
-        decode_step_base_s=0.0065, decode_step_per_seq_s=0.00004, decode_step_per_context_token_s=1.0e-8,
-        links_gbps={"rdma": 400, "tcp": 25}, transfer_setup_s=0.002, cpu_tier_gbps=200,
-    )  # fmt: skip
+    return sample_profile(CAPACITY)
 
 
 def full(i: int, cached: int = 0, *, capacity: int = CAPACITY, inflight: int = 0) -> NodeView:

@@ -25,6 +25,7 @@ from directory_client.types import DirectoryUnavailable, NodeInfo, Reservation, 
 from gateway.config import load_config
 from tests.conftest import free_port
 from tests.redis_servers import RedisProcess
+from tests.support.engines import healthy_engine
 
 ACL_FILE = Path(__file__).resolve().parents[1] / "helm/kvgate/files/redis-acl.conf"
 PASSWORDS = {
@@ -241,40 +242,29 @@ async def test_a_keeper_whose_clear_was_refused_tries_again_on_the_next_tick(as_
     """The gateway is upgraded before Redis's users are (the old gateway rule: no clear). The
     keeper's clear is refused once; when the users are updated, the next tick must still clear
     the dead bridge's entries rather than have forgotten that the node was bridged."""
-    from aiohttp import web
-
     from gateway.fleet import StaticFleetKeeper
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    node = NodeInfo("e1", f"127.0.0.1:{port}", model="m")
-    old_rule = "(~kvgate:{*}:meta ~kvgate:{*}:blocks ~kvgate:{*}:load ~kvgate:{*}:resv +evalsha +pexpire +del)"
-    clear_rule = "(~kvgate:{*}:writer ~kvgate:{*}:blocks +evalsha)"
-    bridge, gateway = as_role("kvgate-bridge"), as_role("kvgate-gateway")
-    keeper = StaticFleetKeeper(gateway, [node], interval_s=3600)
-    try:
-        with admin(acl_redis) as r:
-            r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule)
-        await bridge.register_node(node)
-        assert await bridge.claim_writer("e1", "bridge-a", 0.3) == WriterLease.TAKEN
-        await bridge.record_stored("e1", KEYS[:8])
-        await keeper.start()  # sees the bridge's lease
-        await asyncio.sleep(0.5)  # the bridge died: its lease lapsed
-        await keeper.tick()  # the clear is refused
-        assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
-        with admin(acl_redis) as r:
-            r.execute_command("ACL", "SETUSER", "kvgate-gateway", clear_rule)
-        await keeper.tick()
-        assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 0
-    finally:
-        with admin(acl_redis) as r:
-            r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule, clear_rule)
-        await keeper.aclose()
-        await runner.cleanup()
+    async with healthy_engine() as port:
+        node = NodeInfo("e1", f"127.0.0.1:{port}", model="m")
+        old_rule = "(~kvgate:{*}:meta ~kvgate:{*}:blocks ~kvgate:{*}:load ~kvgate:{*}:resv +evalsha +pexpire +del)"
+        clear_rule = "(~kvgate:{*}:writer ~kvgate:{*}:blocks +evalsha)"
+        bridge, gateway = as_role("kvgate-bridge"), as_role("kvgate-gateway")
+        keeper = StaticFleetKeeper(gateway, [node], interval_s=3600)
+        try:
+            with admin(acl_redis) as r:
+                r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule)
+            await bridge.register_node(node)
+            assert await bridge.claim_writer("e1", "bridge-a", 0.3) == WriterLease.TAKEN
+            await bridge.record_stored("e1", KEYS[:8])
+            await keeper.start()  # sees the bridge's lease
+            await asyncio.sleep(0.5)  # the bridge died: its lease lapsed
+            await keeper.tick()  # the clear is refused
+            assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
+            with admin(acl_redis) as r:
+                r.execute_command("ACL", "SETUSER", "kvgate-gateway", clear_rule)
+            await keeper.tick()
+            assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 0
+        finally:
+            with admin(acl_redis) as r:
+                r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule, clear_rule)
+            await keeper.aclose()
