@@ -679,7 +679,8 @@ def _run_chart_redis(docs: list[dict], tmp_path: Path, secrets: dict) -> tuple[s
 
     (c,) = one(docs, "StatefulSet", "-redis")["spec"]["template"]["spec"]["containers"]
     acl = tmp_path / "acl.conf"
-    acl.write_text(one(docs, "ConfigMap", "-redis-acl")["data"]["acl.conf"])
+    if any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-redis-acl") for d in docs):
+        acl.write_text(one(docs, "ConfigMap", "-redis-acl")["data"]["acl.conf"])
     port = free_port()
     command = [a.replace("/etc/kvgate-redis/acl.conf", str(acl)) for a in c["command"]]
     args = [str(tmp_path) if a == "/data" else a for a in c["args"]] + ["--port", str(port), "--bind", "127.0.0.1"]
@@ -687,6 +688,29 @@ def _run_chart_redis(docs: list[dict], tmp_path: Path, secrets: dict) -> tuple[s
     proc = subprocess.Popen([*command, *args], env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, proc=proc)
     return proc, port
+
+
+@pytest.mark.parametrize("acl", [False, True])
+def test_the_bundled_redis_is_the_containers_first_process_and_stops_on_sigterm(chart: Any, tmp_path: Path, acl: bool) -> None:
+    """A pod's stop sends SIGTERM to the container's first process: that must be redis-server itself
+    (it shuts down and saves), not a shell that ignores it until the kill 30 s later and leaves
+    redis-server behind. The password still never appears on its command line."""
+    import redis
+
+    docs = render(chart, {**VALUE_SETS["static-with-bridges"], "redis": {"acl": {"enabled": acl}}})
+    secrets = {(f"{RELEASE}-kvgate-redis", k): f"{k}-s3cret-value" for k in
+               ("password", "gateway-password", "gateway-events-password", "bridge-password")}  # fmt: skip
+    proc, port = _run_chart_redis(docs, tmp_path, secrets)
+    try:
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        assert cmdline.startswith("redis-server") and "s3cret" not in cmdline, cmdline
+        with redis.Redis(port=port, password="password-s3cret-value") as r:
+            assert r.ping()
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0  # a clean shutdown, not a kill
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 async def test_bundled_redis_gives_each_role_its_own_user(chart: Any, tmp_path: Path) -> None:
