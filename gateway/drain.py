@@ -109,6 +109,12 @@ def plan_copy(
     return CopyPlan(prefix, ids, target, source.cached_blocks, profile.transfer_seconds(moved, link), moved)
 
 
+def retarget(copied: bool, target_id: str, draining: frozenset[str], attempt: int) -> bool:
+    """Plan a copy again, from the source that still holds it: it failed, or its target is
+    leaving too; ``MAX_RETARGETS`` times at most (``attempt`` counts from 0)."""
+    return attempt < MAX_RETARGETS and (not copied or target_id in draining)
+
+
 @dataclass
 class DrainReport:
     """What one drain did; the admin API answers with it and ``kvgate drain`` prints it."""
@@ -234,14 +240,16 @@ class Drainer:
                 break
             if attempt == 0:
                 report.copies_planned += 1
-            if not await self._run_copy(plan, source):
-                report.copy_failures += 1
-                continue
-            landed = plan
-            try:
-                if plan.target.node_id not in await self.directory.draining():
+            copied = await self._run_copy(plan, source)
+            if copied:
+                landed = plan
+                try:
+                    draining = await self.directory.draining()
+                except DirectoryUnavailable:
                     break
-            except DirectoryUnavailable:
+            else:
+                report.copy_failures += 1
+            if not retarget(copied, plan.target.node_id, draining, attempt):
                 break
         if landed is None:
             return

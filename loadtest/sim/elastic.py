@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gateway.drain import (
-    COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, MAX_RETARGETS, CopyPlan, distinct_prefixes, note_copied,
-    plan_copy,
+    COPY_CONCURRENCY, DEFAULT_DEADLINE_S, LINGER_S, MAX_PREFIXES, CopyPlan, distinct_prefixes, note_copied,
+    plan_copy, retarget,
 )
 from gateway.elastic import HOT_KEEP, HOT_TTL_S, HotBudget, budgeted_hot_tokens
 from gateway.types import RoutingRequest
@@ -186,8 +186,8 @@ class Elastic:
         if target in sim.nodes:  # else it left meanwhile: the copy failed
             added, events = target.insert_prefix(req, upto, sim.now)
             sim.feed(target, events)
-        if (target not in sim.nodes or plan.target.node_id in self.draining()) and attempt < MAX_RETARGETS:
-            again = self._plan(source, plan.prefix)  # what Drainer does: the source still holds it
+        if retarget(target in sim.nodes, plan.target.node_id, self.draining(), attempt):
+            again = self._plan(source, plan.prefix)
             if again is not None and self._schedule(source, again, attempt + 1):
                 self.copies["retargeted"] += 1
                 self.node_idle(source)
