@@ -161,6 +161,7 @@ class InProcessDirectory:
         self._loads: dict[str, _Load] = {}
         self._tokens = itertools.count(1)
         self._writers: dict[str, tuple[str, float]] = {}  # node -> (owner, lease end)
+        self._bridged: set[str] = set()  # nodes whose entries a lease holder wrote (outlives the lease)
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (node_id, expires at), oldest first
         self._hot: dict[str, tuple[dict[bytes, float], float]] = {}  # node -> (member -> served at, expires at)
         self._draining: dict[str, float] = {}  # node -> until
@@ -205,6 +206,7 @@ class InProcessDirectory:
         check_node_id(node_id)
         self._nodes.pop(node_id, None)
         self._loads.pop(node_id, None)
+        self._bridged.discard(node_id)
 
     def _live(self, now: float) -> list[tuple[str, _Node]]:
         live = [(nid, st) for nid, st in self._nodes.items() if st.info is not None and st.alive_until > now]
@@ -267,6 +269,7 @@ class InProcessDirectory:
         if held is not None and held[1] > now and held[0] != owner:
             return WriterLease.HELD_BY_OTHER
         self._writers[node_id] = (owner, now + ttl_s)
+        self._bridged.add(node_id)
         return WriterLease.RENEWED if held is not None and held[1] > now else WriterLease.TAKEN
 
     async def writer(self, node_id: str) -> str | None:
@@ -275,9 +278,10 @@ class InProcessDirectory:
         return held[0] if held is not None and held[1] > self._clock() else None
 
     async def clear_if_unwritten(self, node_id: str) -> bool:
-        if await self.writer(node_id) is not None:
+        if await self.writer(node_id) is not None or node_id not in self._bridged:
             return False
         await self.clear_node(node_id)
+        self._bridged.discard(node_id)
         return True
 
     async def release_writer(self, node_id: str, owner: str) -> None:

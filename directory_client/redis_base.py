@@ -5,7 +5,8 @@ live in one slot and one script can touch them together):
 
   {P}:registry        zset node_id -> heartbeat deadline (ms, server clock): which nodes to ask
   {P}:config          hash  stride -> index stride every client must share
-  P:{node}:meta       hash  info -> NodeInfo json, until -> heartbeat deadline (ms, server clock)
+  P:{node}:meta       hash  info -> NodeInfo json, until -> heartbeat deadline (ms, server clock),
+                            bridged -> the last writer-lease holder ("" once a lapse cleared its entries)
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
   P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms), and, while its
@@ -33,7 +34,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
 
 from directory_client.breaker import CircuitBreaker
 from directory_client.hot import check_hot, hot_prefix
@@ -90,6 +91,11 @@ class NodeKeys:
     def __init__(self, prefix: str, node_id: str) -> None:
         base = f"{prefix}:{{{node_id}}}:"
         self.meta, self.blocks, self.load, self.resv = (base + s for s in ("meta", "blocks", "load", "resv"))
+
+
+def refused_by_acl(error: Exception) -> bool:
+    """Redis's ACL refused the call (e.g. a user not updated for a newer script): an answer, not an outage."""
+    return isinstance(error, NoPermissionError) or (isinstance(error, ResponseError) and "NOPERM" in str(error))
 
 
 MIN_REDIS_MAJOR = 7  # reservations use PEXPIRETIME (Redis 7.0)
@@ -172,7 +178,10 @@ class RedisDirectoryBase(ABC):
             async with asyncio.timeout(self.op_timeout_s):
                 yield
         except Exception as e:
-            breaker.failure()
+            if refused_by_acl(e):  # the server answered at once: alive, so not a breaker failure
+                breaker.success()
+            else:
+                breaker.failure()
             raise DirectoryUnavailable(f"{self.backend_name} directory: {op} failed: {e!r}") from e
         except BaseException:
             breaker.abandon()
@@ -352,7 +361,9 @@ class RedisDirectoryBase(ABC):
         if not owner or ttl_s <= 0:
             raise ValueError("claim_writer needs an owner and a positive ttl")
         async with self._io("claim_writer"):
-            held = await self._eval("writer_claim", (self._lease_key(node_id),), (owner, max(1, int(ttl_s * 1000))))
+            held = await self._eval(
+                "writer_claim", (self._lease_key(node_id), self._keys(node_id).meta), (owner, max(1, int(ttl_s * 1000)), self._keep_ms)
+            )
         return WriterLease(int(held))
 
     async def writer(self, node_id: str) -> str | None:
@@ -365,7 +376,8 @@ class RedisDirectoryBase(ABC):
         check_node_id(node_id)
         await self._check_config()
         async with self._io("clear_if_unwritten"):
-            cleared = await self._eval("writer_lapsed_clear", (self._lease_key(node_id), self._keys(node_id).blocks), ())
+            nk = self._keys(node_id)
+            cleared = await self._eval("writer_lapsed_clear", (self._lease_key(node_id), nk.blocks, nk.meta), ())
         return cleared == 1
 
     async def release_writer(self, node_id: str, owner: str) -> None:

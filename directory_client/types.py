@@ -174,8 +174,10 @@ class Directory(Protocol):
         """Who holds the node's writer lease now (None: no bridge writes its entries)."""
         ...
     async def clear_if_unwritten(self, node_id: str) -> bool:
-        """Clear the node's entries if no bridge holds its writer lease, in one step with that
-        check (a bridge that has just taken the lease is never wiped); True if cleared."""
+        """Clear the node's entries if a bridge wrote them and none holds its writer lease now, in
+        one step with that check (a bridge that has just taken the lease is never wiped); True if
+        cleared. Whoever asks first after the lapse clears (and only once); entries no bridge ever
+        wrote are left alone."""
         ...
     async def replace_node(self, node_id: str, blocks: Mapping[Tier, Sequence[BlockKey]]) -> None:
         """The node's entries become exactly ``blocks`` (per tier), in one step for lookups."""

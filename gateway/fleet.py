@@ -9,9 +9,9 @@ once rather than after the heartbeat TTL.
 
 A static node may still have its entries written by a bridge running elsewhere (``kvgate bridge``
 beside the engine). If that bridge dies, the keeper would keep the node alive with entries that
-nothing keeps true any more; so a node seen with a bridge holding its writer lease has its entries
-cleared when the lease lapses (it stays routable by load) until a bridge takes the lease again
-and rewrites them.
+nothing keeps true any more; so a node whose entries a bridge wrote (the directory notes it) has
+them cleared once no bridge holds its writer lease (it stays routable by load), until a bridge
+takes the lease again and rewrites them.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import aiohttp
 
+from directory_client.redis_base import refused_by_acl
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo
 from gateway.metrics import WRITER_LAPSES
 
@@ -45,7 +46,7 @@ class StaticFleetKeeper:
         self.failures_to_drop = failures_to_drop
         self._failures = {n.node_id: 0 for n in self.nodes}
         self._registered: set[str] = set()
-        self._written: set[str] = set()  # nodes seen with a bridge holding their writer lease
+        self._acl_warned = False  # a Redis user older than this keeper refuses its clear: said once
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -88,16 +89,22 @@ class StaticFleetKeeper:
             log.debug("directory unavailable while keeping node %s", node.node_id)
 
     async def _check_writer(self, node: NodeInfo) -> None:
-        """Clear the entries of a node whose bridge held the writer lease and no longer does."""
-        if await self.directory.writer(node.node_id) is not None:
-            self._written.add(node.node_id)
-            return
-        if node.node_id not in self._written:
-            return
-        if await self.directory.clear_if_unwritten(node.node_id):  # a failure: tried again next tick
+        """Clear the entries of a node whose bridge held the writer lease and no longer does.
+
+        The directory remembers that a bridge wrote the node, so a keeper started after the bridge
+        died clears too, and of several replicas only one does (and counts it). A failure: tried
+        again next tick."""
+        try:
+            cleared = await self.directory.clear_if_unwritten(node.node_id)
+        except DirectoryUnavailable as e:
+            if refused_by_acl(e.__cause__) and not self._acl_warned:
+                self._acl_warned = True
+                log.warning("Redis refused clearing a dead bridge's entries (%s): update the gateway's Redis user from "
+                            "helm/kvgate/files/redis-acl.conf", e)
+            raise
+        if cleared:
             WRITER_LAPSES.labels(node.node_id).inc()
             log.warning("node %s: its KV-event bridge stopped holding the writer lease; entries cleared, routed by load", node.node_id)
-        self._written.discard(node.node_id)
 
     async def aclose(self) -> None:
         if self._task is not None:

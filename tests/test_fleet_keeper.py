@@ -66,6 +66,33 @@ async def test_a_dead_bridges_entries_are_cleared_and_the_node_stays_routable(en
         await keeper.aclose()
 
 
+async def test_a_keeper_started_after_the_bridge_died_clears_and_only_one_replica_counts_it(engine, directory) -> None:
+    """Two gateway replicas start after the node's bridge died (a rolling restart, or the bridge
+    died while no gateway ran): neither saw the lease held, yet the dead bridge's entries go, and
+    the lapse is counted once, not once per replica."""
+    await directory.register_node(engine)
+    assert await directory.claim_writer("s1", "bridge-1", LEASE_S) == WriterLease.TAKEN
+    await directory.record_stored("s1", KEYS)
+    await asyncio.sleep(LEASE_S + 0.3)  # the bridge died before any keeper looked
+    lapses = REGISTRY.get_sample_value("kvgate_node_writer_lapses_total", {"node": "s1"}) or 0.0
+    first = StaticFleetKeeper(directory, [engine], interval_s=3600)
+    second = StaticFleetKeeper(directory, [engine], interval_s=3600)
+    try:
+        await asyncio.gather(first.start(), second.start())
+        assert cached(await directory.lookup(KEYS)) == {"s1": 0}  # live, routed by load alone
+        await asyncio.gather(first.tick(), second.tick())
+        assert REGISTRY.get_sample_value("kvgate_node_writer_lapses_total", {"node": "s1"}) == lapses + 1
+
+        assert await directory.claim_writer("s1", "bridge-2", 30.0) == WriterLease.TAKEN  # a new bridge
+        await directory.record_stored("s1", KEYS)
+        await first.tick()
+        await second.tick()
+        assert cached(await directory.lookup(KEYS)) == {"s1": 6}  # its entries are kept
+    finally:
+        await first.aclose()
+        await second.aclose()
+
+
 async def test_a_node_never_bridged_keeps_what_was_written_for_it(engine, directory) -> None:
     """No lease was ever seen (entries written by other means, e.g. a replay's fixture): the keeper
     does not judge them."""

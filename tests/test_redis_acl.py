@@ -247,7 +247,7 @@ async def test_a_keeper_whose_clear_was_refused_tries_again_on_the_next_tick(as_
     async with healthy_engine() as port:
         node = NodeInfo("e1", f"127.0.0.1:{port}", model="m")
         old_rule = "(~kvgate:{*}:meta ~kvgate:{*}:blocks ~kvgate:{*}:load ~kvgate:{*}:resv +evalsha +pexpire +del)"
-        clear_rule = "(~kvgate:{*}:writer ~kvgate:{*}:blocks +evalsha)"
+        clear_rule = "(~kvgate:{*}:writer ~kvgate:{*}:blocks ~kvgate:{*}:meta +evalsha)"
         bridge, gateway = as_role("kvgate-bridge"), as_role("kvgate-gateway")
         keeper = StaticFleetKeeper(gateway, [node], interval_s=3600)
         try:
@@ -258,8 +258,12 @@ async def test_a_keeper_whose_clear_was_refused_tries_again_on_the_next_tick(as_
             await bridge.record_stored("e1", KEYS[:8])
             await keeper.start()  # sees the bridge's lease
             await asyncio.sleep(0.5)  # the bridge died: its lease lapsed
-            await keeper.tick()  # the clear is refused
+            for _ in range(8):  # the clear is refused, tick after tick
+                await keeper.tick()
             assert (await gateway.lookup(KEYS)).nodes[0].cached_blocks == 8
+            for _ in range(2 * gateway.breaker.threshold):
+                await refused(gateway.clear_if_unwritten("e1"), acl_redis)
+            assert not gateway.breaker.is_open  # a refusal is an answer: requests still reach Redis
             with admin(acl_redis) as r:
                 r.execute_command("ACL", "SETUSER", "kvgate-gateway", clear_rule)
             await keeper.tick()
