@@ -93,6 +93,10 @@ class NodeKeys:
         self.meta, self.blocks, self.load, self.resv = (base + s for s in ("meta", "blocks", "load", "resv"))
 
 
+class ShardDown(Exception):
+    """The call was not sent: the cluster shard holding its keys is known down (probed apart)."""
+
+
 def refused_by_acl(error: Exception) -> bool:
     """Redis's ACL refused the call (e.g. a user not updated for a newer script): an answer, not an outage."""
     return isinstance(error, NoPermissionError) or (isinstance(error, ResponseError) and "NOPERM" in str(error))
@@ -180,7 +184,7 @@ class RedisDirectoryBase(ABC):
         except Exception as e:
             if refused_by_acl(e):  # the server answered at once: alive, so not a breaker failure
                 breaker.success()
-            else:
+            elif not isinstance(e, ShardDown):  # one shard down is not the directory down
                 breaker.failure()
             raise DirectoryUnavailable(f"{self.backend_name} directory: {op} failed: {e!r}") from e
         except BaseException:

@@ -12,8 +12,10 @@ shows: each per-node script checks the node's own heartbeat deadline and answers
 A lookup must not fail because one shard does: the per-node scripts are sent as one pipeline per
 shard, each bounded by ``shard_timeout_s`` (set it below the request's lookup budget). A shard
 that fails or is too slow leaves its nodes out of the view (``kvgate_directory_shard_failures_total``)
-and is skipped for ``SHARD_RETRY_S``; only when every shard fails does the lookup. If the
-registry's own shard fails, the last known node list is used.
+and is skipped until a background probe (every ``SHARD_RETRY_S``) finds it answering again: a dead
+shard costs one request, not one every retry. Only when every shard fails does the lookup. If the
+registry's own shard fails, the last known node list is used (also after this client registered
+a node meanwhile), and the registry is read again only once its shard answers.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -30,11 +33,13 @@ from redis.backoff import ExponentialBackoff
 
 from prometheus_client import Counter
 
-from directory_client.redis_base import RedisDirectoryBase
+from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
+
+from directory_client.redis_base import RedisDirectoryBase, ShardDown
 from directory_client.types import DirectoryUnavailable
 
 log = logging.getLogger(__name__)
-SHARD_RETRY_S = 1.0  # a failed shard is not asked again for this long
+SHARD_RETRY_S = 1.0  # how often a failed shard is probed in the background
 SHARD_FAILURES = Counter(
     "kvgate_directory_shard_failures", "Redis Cluster shards that failed or timed out in a lookup (their nodes left out)"
 )
@@ -76,9 +81,9 @@ class RedisClusterDirectory(RedisDirectoryBase):
         if live_cache_s < 0:
             raise ValueError(f"live_cache_s must be >= 0, got {live_cache_s!r}")
         self.shard_timeout_s = min(shard_timeout_s or self.op_timeout_s, self.op_timeout_s)
-        self._shard_down_until: dict[str, float] = {}
+        self._shards_down: dict[str, asyncio.Task] = {}  # shard name -> its background probe
         self.live_cache_s = live_cache_s
-        self._live_ids: list[str] = []
+        self._live_ids: list[str] | None = None  # None: never read
         self._live_ids_at = float("-inf")
 
     @classmethod
@@ -101,30 +106,97 @@ class RedisClusterDirectory(RedisDirectoryBase):
         return await self._client.info("server", target_nodes=self._client.get_node_from_key(self._config))
 
     def _live_ids_changed(self, node_id: str | None = None) -> None:
-        if node_id is None or node_id not in self._live_ids:
-            self._live_ids_at = float("-inf")
+        if node_id is None or self._live_ids is None or node_id not in self._live_ids:
+            self._live_ids_at = float("-inf")  # read again when the registry answers; kept till then
+
+    async def aclose(self) -> None:
+        for probe in list(self._shards_down.values()):
+            probe.cancel()
+        await super().aclose()
+
+    def _shard_of(self, key: str) -> str:
+        try:
+            shard = self._client.get_node_from_key(key)
+        except RedisError:  # the slot map is not read yet (first call) or lacks the slot
+            return ""
+        return shard.name if shard is not None else ""
+
+    def _mark_down(self, name: str) -> None:
+        """Leave a shard out until a background probe finds it answering again."""
+        if name and name not in self._shards_down:
+            self._shards_down[name] = asyncio.create_task(self._probe(name), name=f"directory-shard-probe-{name}")
+
+    async def _probe(self, name: str) -> None:
+        try:
+            while True:
+                await asyncio.sleep(SHARD_RETRY_S)
+                node = self._client.get_node(node_name=name)
+                if node is None:  # no longer in the slot map (failed over): nothing to wait for
+                    return
+                try:  # the node alone: a failure here must not make the client drop every shard's connections
+                    async with asyncio.timeout(self.op_timeout_s):
+                        await node.execute_command("PING")
+                    log.info("directory shard %s answers again", name)
+                    return
+                except Exception:
+                    continue
+        finally:
+            self._shards_down.pop(name, None)
+
+    def _check_shard(self, key: str) -> str:
+        """The key's shard, unless it is known down: then fail at once (a call to a dead primary
+        makes the cluster client drop and rebuild every shard's connections, costing the live ones)."""
+        if not self._shards_down:  # the usual case: nothing to look up
+            return ""
+        name = self._shard_of(key)
+        if name in self._shards_down:
+            raise ShardDown(f"shard {name} is down (probed every {SHARD_RETRY_S} s)")
+        return name
+
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if keys:
+            self._check_shard(keys[0])
+        try:
+            return await super()._eval(name, keys, args)
+        except (RedisConnectionError, RedisTimeoutError):
+            if keys and (shard := self._shard_of(keys[0])):
+                self._mark_down(shard)
+            raise
+
+    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        for cmd in commands:
+            self._check_shard(cmd[3] if cmd[0] == "EVALSHA" else cmd[1])
+        return await super()._send(commands)
+
+    async def _live_node_ids(self) -> list[str]:
+        """The registry's live ids, cached; the last known list while the registry's shard is down."""
+        now = time.monotonic()
+        if self._live_ids is not None and (
+            now - self._live_ids_at < self.live_cache_s or (self._shards_down and self._shard_of(self._registry) in self._shards_down)
+        ):
+            return self._live_ids
+        try:
+            self._live_ids = await self._registry_ids()
+            self._live_ids_at = now
+        except DirectoryUnavailable:
+            self._mark_down(self._shard_of(self._registry))
+            if self._live_ids is None:
+                raise
+            log.warning("registry shard failed: looking up the last known %d nodes", len(self._live_ids))
+        return self._live_ids
 
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
-        now = time.monotonic()
-        if now - self._live_ids_at >= self.live_cache_s:
-            try:
-                self._live_ids = await self._registry_ids()
-                self._live_ids_at = now
-            except DirectoryUnavailable:
-                if self._live_ids_at == float("-inf"):
-                    raise
-                log.warning("registry shard failed: looking up the last known %d nodes", len(self._live_ids))
-        ids = self._live_ids
+        ids = await self._live_node_ids()
         if not ids:
             return []
         sha = self._scripts["lookup_node"].sha
         by_shard: dict[str, list[tuple[str, tuple[Any, ...]]]] = {}
         for nid in ids:
             nk = self._keys(nid)
-            shard = self._client.get_node_from_key(nk.meta)
-            name = shard.name if shard is not None else ""
-            by_shard.setdefault(name, []).append((nid, ("EVALSHA", sha, 4, nk.meta, nk.blocks, nk.load, nk.resv, blob)))
-        asked = {name: rows for name, rows in by_shard.items() if self._shard_down_until.get(name, 0.0) <= now}
+            by_shard.setdefault(self._shard_of(nk.meta), []).append(
+                (nid, ("EVALSHA", sha, 4, nk.meta, nk.blocks, nk.load, nk.resv, blob))
+            )
+        asked = {name: rows for name, rows in by_shard.items() if name not in self._shards_down}
         async with self._io("lookup"):
             results = await asyncio.gather(*(self._ask_shard(rows) for rows in asked.values()), return_exceptions=True)
             for r in results:
@@ -133,12 +205,12 @@ class RedisClusterDirectory(RedisDirectoryBase):
             if asked and all(isinstance(r, Exception) for r in results):
                 raise next(r for r in results if isinstance(r, Exception))
         if not asked:
-            raise DirectoryUnavailable(f"{self.backend_name} directory: lookup: every shard failed within {SHARD_RETRY_S} s")
+            raise DirectoryUnavailable(f"{self.backend_name} directory: lookup: every shard is down (probed every {SHARD_RETRY_S} s)")
         out: list[tuple[str, Any]] = []
         for (name, rows), result in zip(asked.items(), results):
             if isinstance(result, Exception):
                 SHARD_FAILURES.inc()
-                self._shard_down_until[name] = time.monotonic() + SHARD_RETRY_S
+                self._mark_down(name)
                 log.warning("directory shard %s failed (%r): its %d nodes are left out of lookups", name, result, len(rows))
                 continue
             out.extend((nid, r) for (nid, _), r in zip(rows, result) if r is not None)

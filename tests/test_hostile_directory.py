@@ -11,6 +11,7 @@ directory's circuit opens (``kvgate_directory_circuit_open`` 1, calls fail open 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -152,5 +153,74 @@ async def test_one_stalled_cluster_shard_does_not_fail_the_lookup_within_its_bud
             assert all(nv.cached_blocks == len(KEYS) for nv in view.nodes)
             assert took < 0.3
             assert gauge("kvgate_directory_shard_failures_total") >= before + 1
+        finally:
+            await d.aclose()
+
+
+async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_budget() -> None:
+    """One primary of a Redis Cluster dies, the one holding the node registry. Before: every
+    lookup once the cached node list aged (1 s) asked the dead shard again inside the request's
+    25 ms budget, and each registration (the static fleet's keeper, every tick) threw the cached
+    list away, so lookups failed until the shard came back and the circuit breaker opened for the
+    whole directory. What a request gets now: the nodes on the live shards, every time; the dead
+    shard is tried again in the background, not on the request path."""
+    from redis.crc import key_slot
+
+    from directory_client.redis_base import NodeKeys
+    from tests.redis_servers import redis_cluster
+    from tests.test_directory_outage import slots_of
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="dead", op_timeout_s=0.5, shard_timeout_s=0.02, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            owners = {s.port: slots_of(s.port) for s in servers}
+            nodes: dict[int, list[str]] = {}  # two nodes per shard
+            for i in range(400):
+                slot = key_slot(NodeKeys("dead", f"n{i}").meta.encode())
+                port = next(p for p, slots in owners.items() if slot in slots)
+                if len(nodes.setdefault(port, [])) < 2:
+                    nodes[port].append(f"n{i}")
+            registry_port = next(p for p, slots in owners.items() if key_slot(b"{dead}:registry") in slots)
+            deadline = time.monotonic() + 15
+            for node_id in [n for ns in nodes.values() for n in ns]:
+                while True:  # a new cluster may still say "cluster down" for a moment
+                    try:
+                        await d.register_node(NodeInfo(node_id, "10.0.0.1:8000"))
+                        await d.record_stored(node_id, KEYS, Tier.GPU)
+                        break
+                    except DirectoryUnavailable:
+                        assert time.monotonic() < deadline
+                        await asyncio.sleep(0.2)
+            await d.lookup(KEYS)  # the node list is known
+            live = {n for p, ns in nodes.items() if p != registry_port for n in ns}
+            next(s for s in servers if s.port == registry_port).kill()
+
+            answered, failed = 0, []
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:
+                try:
+                    view = await asyncio.wait_for(d.lookup(KEYS), 0.025)  # a request's lookup budget
+                    assert {nv.node.node_id for nv in view.nodes} == live
+                    answered += 1
+                except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+                    failed.append(repr(e))
+                with contextlib.suppress(DirectoryUnavailable):
+                    await d.register_node(NodeInfo(sorted(live)[0], "10.0.0.1:8000"))  # the keeper's tick
+                await asyncio.sleep(0.05)
+            assert answered >= 30, failed[:5]
+            assert len(failed) <= 1, failed  # at most the lookup that found the shard dead
+            assert not d.breaker.is_open
+
+            next(s for s in servers if s.port == registry_port).start()  # back, empty: its nodes register again
+            back = nodes[registry_port][0]
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(DirectoryUnavailable):
+                    await d.register_node(NodeInfo(back, "10.0.0.1:8000"))
+                    view = await d.lookup(KEYS)
+                    if back in {nv.node.node_id for nv in view.nodes}:
+                        break
+                assert time.monotonic() < deadline, "the shard never came back into lookups"
+                await asyncio.sleep(0.2)
         finally:
             await d.aclose()
