@@ -31,7 +31,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, nullcontext
 from typing import Any
 
 from redis.exceptions import NoPermissionError, NoScriptError, ResponseError
@@ -184,13 +184,20 @@ class RedisDirectoryBase(ABC):
         except Exception as e:
             if refused_by_acl(e):  # the server answered at once: alive, so not a breaker failure
                 breaker.success()
-            elif not isinstance(e, ShardDown):  # one shard down is not the directory down
+            elif isinstance(e, ShardDown):  # not sent: no answer either way (and one shard is not the directory)
+                breaker.abandon()  # a probe refused so must let the next call probe, or the circuit stays open for good
+            else:
                 breaker.failure()
             raise DirectoryUnavailable(f"{self.backend_name} directory: {op} failed: {e!r}") from e
         except BaseException:
             breaker.abandon()
             raise
         breaker.success()
+
+    def _on_key(self, key: str) -> AbstractAsyncContextManager[Any]:
+        """Hook around a call on ``key`` (inside ``_io``): a cluster refuses calls on a shard known
+        down and marks down one that does not answer."""
+        return nullcontext()
 
     def _keys(self, node_id: str) -> NodeKeys:
         nk = self._node_keys.get(node_id)
@@ -523,14 +530,16 @@ class RedisDirectoryBase(ABC):
         """``_fan_out`` and the value of ``key`` (None if unset), in the lookup's round trip."""
 
     async def session_node(self, session: str) -> str | None:
-        async with self._io("session_node"):
-            raw = await self._client.get(self._session_key(session))
+        key = self._session_key(session)
+        async with self._io("session_node"), self._on_key(key):
+            raw = await self._client.get(key)
         return raw.decode() if isinstance(raw, bytes) else raw
 
     async def record_session(self, session: str, node_id: str, ttl_s: float) -> None:
         check_node_id(node_id)
-        async with self._io("record_session"):
-            await self._client.set(self._session_key(session), node_id, px=max(1, int(ttl_s * 1000)))
+        key = self._session_key(session)
+        async with self._io("record_session"), self._on_key(key):
+            await self._client.set(key, node_id, px=max(1, int(ttl_s * 1000)))
 
     async def record_hot(self, node_id: str, model: str, tokens: bytes, *, keep: int, ttl_s: float) -> None:
         check_node_id(node_id)

@@ -12,10 +12,11 @@ shows: each per-node script checks the node's own heartbeat deadline and answers
 A lookup must not fail because one shard does: the per-node scripts are sent as one pipeline per
 shard, each bounded by ``shard_timeout_s`` (set it below the request's lookup budget). A shard
 that fails or is too slow leaves its nodes out of the view (``kvgate_directory_shard_failures_total``)
-and is skipped until a background probe (every ``SHARD_RETRY_S``) finds it answering again: a dead
-shard costs one request, not one every retry. Only when every shard fails does the lookup. If the
-registry's own shard fails, the last known node list is used (also after this client registered
-a node meanwhile), and the registry is read again only once its shard answers.
+and is skipped for ``SHARD_RETRY_S``, and until a background probe (at once, then every
+``SHARD_RETRY_S``) finds it answering again: a dead shard costs one request, not one every retry,
+and calls on its keys fail at once until it answers. Only when every shard fails does the lookup.
+If the registry's own shard fails or is too slow, the last known node list is used (also after
+this client registered a node meanwhile), and the registry is read again only once its shard answers.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -82,6 +84,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
             raise ValueError(f"live_cache_s must be >= 0, got {live_cache_s!r}")
         self.shard_timeout_s = min(shard_timeout_s or self.op_timeout_s, self.op_timeout_s)
         self._shards_down: dict[str, asyncio.Task] = {}  # shard name -> its background probe
+        self._skip_until: dict[str, float] = {}  # shard name -> lookups leave it out until then (monotonic)
         self.live_cache_s = live_cache_s
         self._live_ids: list[str] | None = None  # None: never read
         self._live_ids_at = float("-inf")
@@ -110,8 +113,10 @@ class RedisClusterDirectory(RedisDirectoryBase):
             self._live_ids_at = float("-inf")  # read again when the registry answers; kept till then
 
     async def aclose(self) -> None:
-        for probe in list(self._shards_down.values()):
+        probes = list(self._shards_down.values())
+        for probe in probes:
             probe.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
         await super().aclose()
 
     def _shard_of(self, key: str) -> str:
@@ -122,14 +127,22 @@ class RedisClusterDirectory(RedisDirectoryBase):
         return shard.name if shard is not None else ""
 
     def _mark_down(self, name: str) -> None:
-        """Leave a shard out until a background probe finds it answering again."""
-        if name and name not in self._shards_down:
+        """Leave a shard out of lookups for ``SHARD_RETRY_S`` at least (one slow now may stay slow),
+        and refuse calls on its keys until a background probe finds it answering again: at once for
+        a shard only slow once, so a request's release is not lost to one slow lookup."""
+        if not name:
+            return
+        self._skip_until[name] = time.monotonic() + SHARD_RETRY_S
+        if name not in self._shards_down:
             self._shards_down[name] = asyncio.create_task(self._probe(name), name=f"directory-shard-probe-{name}")
+
+    def _skipped(self, name: str, now: float) -> bool:
+        """Is this shard left out of lookups now?"""
+        return name in self._shards_down or self._skip_until.get(name, 0.0) > now
 
     async def _probe(self, name: str) -> None:
         try:
             while True:
-                await asyncio.sleep(SHARD_RETRY_S)
                 node = self._client.get_node(node_name=name)
                 if node is None:  # no longer in the slot map (failed over): nothing to wait for
                     return
@@ -139,7 +152,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
                     log.info("directory shard %s answers again", name)
                     return
                 except Exception:
-                    continue
+                    await asyncio.sleep(SHARD_RETRY_S)
         finally:
             self._shards_down.pop(name, None)
 
@@ -153,15 +166,20 @@ class RedisClusterDirectory(RedisDirectoryBase):
             raise ShardDown(f"shard {name} is down (probed every {SHARD_RETRY_S} s)")
         return name
 
-    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        if keys:
-            self._check_shard(keys[0])
+    @asynccontextmanager
+    async def _on_key(self, key: str) -> AsyncIterator[None]:
+        self._check_shard(key)
         try:
-            return await super()._eval(name, keys, args)
-        except (RedisConnectionError, RedisTimeoutError):
-            if keys and (shard := self._shard_of(keys[0])):
-                self._mark_down(shard)
+            yield
+        except (RedisConnectionError, RedisTimeoutError, TimeoutError):
+            self._mark_down(self._shard_of(key))
             raise
+
+    async def _eval(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if not keys:
+            return await super()._eval(name, keys, args)
+        async with self._on_key(keys[0]):
+            return await super()._eval(name, keys, args)
 
     async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
         for cmd in commands:
@@ -171,18 +189,21 @@ class RedisClusterDirectory(RedisDirectoryBase):
     async def _live_node_ids(self) -> list[str]:
         """The registry's live ids, cached; the last known list while the registry's shard is down."""
         now = time.monotonic()
-        if self._live_ids is not None and (
-            now - self._live_ids_at < self.live_cache_s or (self._shards_down and self._shard_of(self._registry) in self._shards_down)
+        if self._live_ids is None:
+            self._live_ids = await self._registry_ids()  # nothing to fall back on: the whole op timeout
+            self._live_ids_at = now
+            return self._live_ids
+        if now - self._live_ids_at < self.live_cache_s or (
+            (self._shards_down or self._skip_until) and self._skipped(self._shard_of(self._registry), now)
         ):
             return self._live_ids
         try:
-            self._live_ids = await self._registry_ids()
+            async with asyncio.timeout(self.shard_timeout_s):  # on the lookup's path, like any shard's part of it
+                self._live_ids = await self._registry_ids()
             self._live_ids_at = now
-        except DirectoryUnavailable:
+        except (DirectoryUnavailable, TimeoutError) as e:
             self._mark_down(self._shard_of(self._registry))
-            if self._live_ids is None:
-                raise
-            log.warning("registry shard failed: looking up the last known %d nodes", len(self._live_ids))
+            log.warning("registry shard failed (%r): looking up the last known %d nodes", e, len(self._live_ids))
         return self._live_ids
 
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
@@ -196,7 +217,8 @@ class RedisClusterDirectory(RedisDirectoryBase):
             by_shard.setdefault(self._shard_of(nk.meta), []).append(
                 (nid, ("EVALSHA", sha, 4, nk.meta, nk.blocks, nk.load, nk.resv, blob))
             )
-        asked = {name: rows for name, rows in by_shard.items() if name not in self._shards_down}
+        now = time.monotonic()
+        asked = {name: rows for name, rows in by_shard.items() if not self._skipped(name, now)}
         async with self._io("lookup"):
             results = await asyncio.gather(*(self._ask_shard(rows) for rows in asked.values()), return_exceptions=True)
             for r in results:
@@ -224,8 +246,8 @@ class RedisClusterDirectory(RedisDirectoryBase):
         return rows, raw
 
     async def _session_value(self, key: str) -> Any:
-        try:
-            async with self._io("session_node"):
+        try:  # a shard's part of the lookup: its budget, and its shard marked down if it does not answer
+            async with self._io("session_node"), self._on_key(key), asyncio.timeout(self.shard_timeout_s):
                 return await self._client.get(key)
         except DirectoryUnavailable:
             return None

@@ -224,3 +224,181 @@ async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_bud
                 await asyncio.sleep(0.2)
         finally:
             await d.aclose()
+
+
+def _shard_nodes(prefix: str, servers, per_shard: int = 1) -> tuple[dict[int, list[str]], int]:
+    """Node ids whose keys live on each primary (by port), and the port holding the registry."""
+    from redis.crc import key_slot
+
+    from directory_client.redis_base import NodeKeys
+    from tests.test_directory_outage import slots_of
+
+    owners = {s.port: slots_of(s.port) for s in servers}
+    nodes: dict[int, list[str]] = {p: [] for p in owners}
+    for i in range(1000):
+        slot = key_slot(NodeKeys(prefix, f"n{i}").meta.encode())
+        port = next(p for p, slots in owners.items() if slot in slots)
+        if len(nodes[port]) < per_shard:
+            nodes[port].append(f"n{i}")
+    registry = next(p for p, slots in owners.items() if key_slot(f"{{{prefix}}}:registry".encode()) in slots)
+    return nodes, registry
+
+
+async def _register(d, node_ids) -> None:
+    deadline = time.monotonic() + 15
+    for node_id in node_ids:
+        while True:  # a new cluster may still say "cluster down" for a moment
+            try:
+                await d.register_node(NodeInfo(node_id, "10.0.0.1:8000"))
+                await d.record_stored(node_id, KEYS, Tier.GPU)
+                break
+            except DirectoryUnavailable:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.2)
+
+
+async def test_a_call_refused_for_a_dead_shard_does_not_wedge_the_circuit() -> None:
+    """A burst of calls reaches a shard that just died, and the directory's circuit opens. After
+    the backoff one probe is let through; when that probe is a call on the dead shard's keys it is
+    refused at once (the shard is known down) without an answer either way. Before: the breaker
+    counted that neither as a success nor a failure, so its probe never ended and the circuit
+    refused every call, on every shard, until the process restarted. Now the next call probes."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="wedge", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("wedge", servers)
+            dead = next(s for s in servers if s.port != registry_port)
+            on_dead, on_live = nodes[dead.port][0], nodes[registry_port][0]
+            await _register(d, [on_dead, on_live])
+            dead.kill()
+            await asyncio.gather(*(d.heartbeat(on_dead) for _ in range(d.breaker.threshold)), return_exceptions=True)
+            assert d.breaker.is_open
+            await asyncio.sleep(d.breaker.retry_in_s + 0.05)
+            with pytest.raises(DirectoryUnavailable, match="ShardDown"):
+                await d.heartbeat(on_dead)  # the probe, refused before it is sent
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    await d.heartbeat(on_live)
+                    break
+                except DirectoryUnavailable as e:
+                    assert time.monotonic() < deadline, f"the circuit never let a call through again: {e}"
+                    await asyncio.sleep(0.1)
+            assert not d.breaker.is_open
+        finally:
+            await d.aclose()
+
+
+async def test_a_session_on_a_dead_cluster_shard_costs_its_hint_not_every_lookup() -> None:
+    """A shard holding no node but some sessions' keys dies. A lookup with such a session reads the
+    session beside the fan-out. Before: that read went to the dead primary on every lookup, which
+    made the cluster client drop every shard's connections (the live shards' answers were lost
+    too) and counted against the circuit breaker: lookups failed until the circuit opened for the
+    whole directory. Now the read fails once, the shard is probed apart, and later lookups answer
+    without the session's hint."""
+    from redis.crc import key_slot
+
+    from tests.redis_servers import redis_cluster
+    from tests.test_directory_outage import slots_of
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="sess", op_timeout_s=0.5, shard_timeout_s=0.02, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("sess", servers)
+            dead = next(s for s in servers if s.port != registry_port)
+            live = {n for p, ns in nodes.items() if p != dead.port for n in ns}
+            await _register(d, sorted(live))
+            dead_slots = slots_of(dead.port)
+            session = next(f"s{i}" for i in range(1000) if key_slot(d._session_key(f"s{i}").encode()) in dead_slots)
+            await d.record_session(session, sorted(live)[0], 60)
+            assert (await d.lookup(KEYS, session)).session_node == sorted(live)[0]
+            dead.kill()
+
+            answered, failed = 0, []
+            started = time.monotonic()
+            while time.monotonic() - started < 3.0:
+                try:
+                    view = await asyncio.wait_for(d.lookup(KEYS, session), 0.025)  # a request's lookup budget
+                    assert {nv.node.node_id for nv in view.nodes} == live
+                    answered += 1
+                except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+                    failed.append(repr(e))
+                with contextlib.suppress(DirectoryUnavailable):
+                    await d.record_session(session, sorted(live)[0], 60)  # the request's answer records it
+                await asyncio.sleep(0.05)
+            assert answered >= 30, failed[:5]
+            assert len(failed) <= 1, failed  # at most the lookup that found the shard dead
+            assert not d.breaker.is_open
+        finally:
+            await d.aclose()
+
+
+async def test_a_shard_slow_once_takes_releases_again_at_once() -> None:
+    """One lookup finds a shard slower than its budget (a fork, a long script): the shard is left
+    out of lookups for a second. Before: every call on its keys was refused for that second too,
+    so the releases of requests ending then were lost and their nodes looked busy until the
+    reservations' own end (up to max_request_s). Now the shard is probed at once: calls on its keys
+    go again as soon as it answers, and only lookups keep leaving it out for the second."""
+    from directory_client.redis_cluster import SHARD_RETRY_S
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="once", op_timeout_s=1.0, shard_timeout_s=0.05, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("once", servers)
+            slow = next(s for s in servers if s.port != registry_port)
+            node_id = nodes[slow.port][0]
+            await _register(d, [n for ns in nodes.values() for n in ns])
+            reservation = await d.reserve(node_id, 100)
+            os.kill(slow.proc.pid, signal.SIGSTOP)
+            try:
+                view = await d.lookup(KEYS)
+            finally:
+                os.kill(slow.proc.pid, signal.SIGCONT)
+            assert node_id not in {nv.node.node_id for nv in view.nodes}
+            await asyncio.sleep(0.2)
+            await d.release(reservation)  # the request ended: its load is given back
+            assert node_id not in {nv.node.node_id for nv in (await d.lookup(KEYS)).nodes}  # lookups: still left out
+            await asyncio.sleep(SHARD_RETRY_S)
+            view = await d.lookup(KEYS)
+            assert {nv.node.node_id: nv.load.inflight for nv in view.nodes}[node_id] == 0
+        finally:
+            await d.aclose()
+
+
+async def test_a_stalled_cluster_shard_holding_the_registry_costs_no_lookup_its_budget() -> None:
+    """The registry's shard stalls (SIGSTOP: no answer, no reset) and holds no node, so only the
+    registry read meets the stall. Before: once the cached node list aged (1 s), every lookup read
+    the registry again under the op timeout, far beyond the request's budget, so each one timed
+    out and nothing marked the shard down. Now the registry is
+    read within ``shard_timeout_s``, and while its shard is down the last known list is used."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="stallreg", op_timeout_s=0.5, shard_timeout_s=0.02, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("stallreg", servers)
+            live = {n for p, ns in nodes.items() if p != registry_port for n in ns}
+            await _register(d, sorted(live))  # none on the registry's shard: only the registry read meets the stall
+            await d.lookup(KEYS)  # the node list is known
+            stalled = next(s for s in servers if s.port == registry_port)
+            os.kill(stalled.proc.pid, signal.SIGSTOP)
+            try:
+                answered, failed = 0, []
+                started = time.monotonic()
+                while time.monotonic() - started < 3.0:
+                    try:
+                        view = await asyncio.wait_for(d.lookup(KEYS), 0.025)  # a request's lookup budget
+                        assert {nv.node.node_id for nv in view.nodes} <= live  # (a busy machine: a live shard late once)
+                        answered += 1
+                    except (DirectoryUnavailable, asyncio.TimeoutError) as e:
+                        failed.append(repr(e))
+                    await asyncio.sleep(0.05)
+            finally:
+                os.kill(stalled.proc.pid, signal.SIGCONT)
+            assert answered >= 30, failed[:5]
+            assert len(failed) <= 2, failed  # the lookups that found the shard stalled
+        finally:
+            await d.aclose()
