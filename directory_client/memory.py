@@ -50,13 +50,14 @@ MAX_SESSIONS = 200_000  # past it the oldest records go first (a bound on memory
 class _Node:
     """One node's registration and blocks (lives until deregistered or forgotten)."""
 
-    __slots__ = ("info", "alive_until", "keep_until", "blocks")
+    __slots__ = ("info", "alive_until", "keep_until", "blocks", "bridged")
 
     def __init__(self) -> None:
         self.info: NodeInfo | None = None
         self.alive_until = float("-inf")
         self.keep_until = float("-inf")
         self.blocks: dict[int, int] = {}  # key -> tier bitmask
+        self.bridged = False  # a writer-lease holder wrote its entries (outlives the lease, not the node)
 
 
 class _Load:
@@ -161,7 +162,6 @@ class InProcessDirectory:
         self._loads: dict[str, _Load] = {}
         self._tokens = itertools.count(1)
         self._writers: dict[str, tuple[str, float]] = {}  # node -> (owner, lease end)
-        self._bridged: set[str] = set()  # nodes whose entries a lease holder wrote (outlives the lease)
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (node_id, expires at), oldest first
         self._hot: dict[str, tuple[dict[bytes, float], float]] = {}  # node -> (member -> served at, expires at)
         self._draining: dict[str, float] = {}  # node -> until
@@ -206,7 +206,6 @@ class InProcessDirectory:
         check_node_id(node_id)
         self._nodes.pop(node_id, None)
         self._loads.pop(node_id, None)
-        self._bridged.discard(node_id)
 
     def _live(self, now: float) -> list[tuple[str, _Node]]:
         live = [(nid, st) for nid, st in self._nodes.items() if st.info is not None and st.alive_until > now]
@@ -269,7 +268,11 @@ class InProcessDirectory:
         if held is not None and held[1] > now and held[0] != owner:
             return WriterLease.HELD_BY_OTHER
         self._writers[node_id] = (owner, now + ttl_s)
-        self._bridged.add(node_id)
+        st = self._state(node_id, now)
+        if st is None:  # noted before the node registers, kept as long as an unknown node's entries
+            st = self._nodes[node_id] = _Node()
+            self._touch(st, now)
+        st.bridged = True
         return WriterLease.RENEWED if held is not None and held[1] > now else WriterLease.TAKEN
 
     async def writer(self, node_id: str) -> str | None:
@@ -278,10 +281,13 @@ class InProcessDirectory:
         return held[0] if held is not None and held[1] > self._clock() else None
 
     async def clear_if_unwritten(self, node_id: str) -> bool:
-        if await self.writer(node_id) is not None or node_id not in self._bridged:
+        if await self.writer(node_id) is not None:
             return False
-        await self.clear_node(node_id)
-        self._bridged.discard(node_id)
+        st = self._state(node_id, self._clock())
+        if st is None or not st.bridged:
+            return False
+        st.blocks.clear()
+        st.bridged = False
         return True
 
     async def release_writer(self, node_id: str, owner: str) -> None:

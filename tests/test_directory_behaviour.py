@@ -545,6 +545,22 @@ async def test_a_node_no_bridge_ever_wrote_is_not_cleared(backend: Backend) -> N
     assert cached(await d.lookup(keys)) == {"a": 6, "b": 0}
 
 
+async def test_a_forgotten_node_forgets_that_a_bridge_wrote_it(backend: Backend) -> None:
+    """A node dead past the retention is forgotten whole, with the note that a bridge wrote it (in
+    Redis the note lives in the node's meta, which expires with it). Before, the in-process
+    directory kept the note for ever: entries written for the node again later without a lease (a
+    fixture, a bridge of an older kvgate) were cleared there and kept on Redis."""
+    d, keys = backend.make(heartbeat_ttl_s=0.2, dead_node_retention_s=0.3), chain(6)
+    assert await d.claim_writer("a", "bridge-1", 0.2) == WriterLease.TAKEN
+    await d.register_node(node("a"))
+    await d.record_stored("a", keys)
+    await backend.sleep(1.0)  # dead, its lease lapsed, and past the retention: forgotten
+    await d.register_node(node("a"))
+    await d.record_stored("a", keys)
+    assert not await d.clear_if_unwritten("a")
+    assert cached(await d.lookup(keys)) == {"a": 6}
+
+
 async def test_replace_node_swaps_its_entries_and_retire_keeps_them(backend: Backend) -> None:
     d = backend.make()
     keys = chain(8)

@@ -229,6 +229,7 @@ async def test_a_gateway_keeping_a_static_fleet_clears_a_node_whose_bridge_lease
     await refused(as_role("kvgate-gateway").claim_writer("e1", "gw", 10.0), acl_redis)  # still not a writer
     assert await bridge.claim_writer("e1", "bridge-b", 10.0) == WriterLease.TAKEN
     await refused(as_role("kvgate-gateway").release_writer("e1", "bridge-b"), acl_redis)  # nor drops a bridge's lease
+    await refused(as_role("kvgate-gateway").claim_writer("e1", "bridge-b", 0.1), acl_redis)  # nor renews it as the holder
     async with aioredis.Redis(port=acl_redis.port, username="kvgate-gateway", password=PASSWORDS["kvgate-gateway"]) as raw:
         with pytest.raises(redis.exceptions.NoPermissionError):
             await raw.delete("kvgate:{e1}:writer")
