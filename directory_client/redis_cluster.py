@@ -144,7 +144,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
         try:
             while True:
                 node = self._client.get_node(node_name=name)
-                if node is None:  # no longer in the slot map (failed over): nothing to wait for
+                if node is None:  # no longer in the slot map (failed over): its keys' new shard is asked
                     return
                 try:  # the node alone: a failure here must not make the client drop every shard's connections
                     async with asyncio.timeout(self.op_timeout_s):
@@ -153,6 +153,11 @@ class RedisClusterDirectory(RedisDirectoryBase):
                     return
                 except Exception:
                     await asyncio.sleep(SHARD_RETRY_S)
+                try:  # a replica may have taken its slots: no call is sent there to tell the client
+                    async with asyncio.timeout(self.op_timeout_s):
+                        await self._client.nodes_manager.initialize(last_failed_node_name=name)
+                except Exception:  # no live node to ask, or slots uncovered mid-failover: next round
+                    pass
         finally:
             self._shards_down.pop(name, None)
 

@@ -1,5 +1,5 @@
 """Private redis-server processes for tests: a single server that a test may kill and restart,
-and a 3-primary Redis Cluster. All bound to 127.0.0.1 on free ports, in a temp dir, and killed
+and a 3-primary Redis Cluster (with replicas, for a test that fails a primary over). All bound to 127.0.0.1 on free ports, in a temp dir, and killed
 at the end — the machine's shared Redis at :6379 is never stopped or reconfigured.
 
 Its fixtures (``private_redis``, ``redis_cluster_url``) are registered for every test by ``tests/conftest.py``.
@@ -87,12 +87,13 @@ def private_redis() -> Iterator[RedisProcess]:
 
 
 @contextmanager
-def redis_cluster(primaries: int = 3) -> Iterator[tuple[str, list[RedisProcess]]]:
-    """Start a Redis Cluster; yield its ``redis+cluster://`` URL and its processes; kill them after."""
+def redis_cluster(primaries: int = 3, replicas: int = 0) -> Iterator[tuple[str, list[RedisProcess]]]:
+    """Start a Redis Cluster; yield its ``redis+cluster://`` URL and its processes; kill them after.
+    With ``replicas`` per primary it returns once every slot range has them (a failover can follow)."""
     with tempfile.TemporaryDirectory(prefix="kvgate-cluster-") as tmp:
         servers: list[RedisProcess] = []
         try:
-            for i in range(primaries):
+            for i in range(primaries * (1 + replicas)):
                 port = free_port()
                 servers.append(
                     RedisProcess(
@@ -106,13 +107,13 @@ def redis_cluster(primaries: int = 3) -> Iterator[tuple[str, list[RedisProcess]]
                 )
             addrs = [f"127.0.0.1:{s.port}" for s in servers]
             subprocess.run(
-                [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", str(replicas), "--cluster-yes"],
                 check=True,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 timeout=30,
             )
-            _wait_cluster_ok(servers[0].port)
+            _wait_cluster_ok(servers[0].port, replicas)
             yield "redis+cluster://" + ",".join(addrs), servers
         finally:
             for s in servers:
@@ -126,14 +127,20 @@ def redis_cluster_url() -> Iterator[str]:
         yield url
 
 
-def _wait_cluster_ok(port: int, timeout_s: float = 15.0) -> None:
+def _wait_cluster_ok(port: int, replicas: int = 0, timeout_s: float = 15.0) -> None:
+    import redis
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         out = subprocess.run(
             [REDIS_CLI, "-p", str(port), "cluster", "info"], capture_output=True, text=True, timeout=5
         ).stdout
         if "cluster_state:ok" in out:
-            return
+            if not replicas:
+                return
+            with redis.Redis(port=port) as c:
+                if all(len(row) >= 3 + replicas for row in c.execute_command("CLUSTER", "SLOTS")):
+                    return
         time.sleep(0.1)
     raise RuntimeError("redis cluster did not reach cluster_state:ok")
 
