@@ -480,8 +480,10 @@ class RedisDirectoryBase(ABC):
             async with self._io("reserve"):
                 sent = True
                 taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit))
-        except BaseException:
-            if sent:  # the script may run although its answer is lost: give it back later
+        except BaseException as e:
+            # the script may run although its answer is lost: give it back later (not if it was
+            # never sent: refused for a cluster shard known down)
+            if sent and not isinstance(e.__cause__, ShardDown):
                 self._release_lost(reservation, end_s)
             raise
         if taken == -1:

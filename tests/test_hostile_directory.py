@@ -442,3 +442,26 @@ async def test_a_dead_shard_failed_over_to_its_replica_takes_calls_again() -> No
             assert [nv.node.node_id for nv in (await d.lookup(KEYS)).nodes] == ["n0"]
         finally:
             await d.aclose()
+
+
+async def test_a_reserve_refused_for_a_down_shard_is_not_given_back_for_minutes() -> None:
+    """A reserve on a node whose shard is known down is refused before it is sent. Before, it was
+    taken for a reserve whose answer was lost, and released in the background until its end (up to
+    ``max_request_s``): a task retrying twice a second for each refused request."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="notsent", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("notsent", servers)
+            dead = next(s for s in servers if s.port != registry_port)
+            node_id = nodes[dead.port][0]
+            await _register(d, [node_id])
+            dead.kill()
+            with pytest.raises(DirectoryUnavailable):
+                await d.heartbeat(node_id)  # finds the shard dead
+            with pytest.raises(DirectoryUnavailable, match="ShardDown"):
+                await d.reserve(node_id, 10)
+            assert not d._lost
+        finally:
+            await d.aclose()
