@@ -36,6 +36,7 @@ from redis.backoff import ExponentialBackoff
 from prometheus_client import Counter
 
 from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
+from redis.utils import str_if_bytes
 
 from directory_client.redis_base import RedisDirectoryBase, ShardDown
 from directory_client.types import DirectoryUnavailable
@@ -154,12 +155,28 @@ class RedisClusterDirectory(RedisDirectoryBase):
                 except Exception:
                     await asyncio.sleep(SHARD_RETRY_S)
                 try:  # a replica may have taken its slots: no call is sent there to tell the client
-                    async with asyncio.timeout(self.op_timeout_s):
-                        await self._client.nodes_manager.initialize(last_failed_node_name=name)
-                except Exception:  # no live node to ask, or slots uncovered mid-failover: next round
+                    if await self._left_slot_map(name):
+                        async with asyncio.timeout(self.op_timeout_s):
+                            await self._client.nodes_manager.initialize(last_failed_node_name=name)
+                except Exception:  # slots uncovered mid-failover: next round
                     pass
         finally:
             self._shards_down.pop(name, None)
+
+    async def _left_slot_map(self, name: str) -> bool:
+        """Does a live primary's ``CLUSTER SLOTS`` no longer name shard ``name`` a primary? (Cheap,
+        unlike re-reading the slot map, which costs the event loop milliseconds every round.)"""
+        for node in self._client.get_primaries():
+            if node.name == name:
+                continue
+            try:
+                async with asyncio.timeout(self.op_timeout_s):
+                    rows = await node.execute_command("CLUSTER SLOTS")
+            except Exception:
+                continue
+            primaries = {f"{str_if_bytes(row[2][0]) or node.host}:{int(row[2][1])}" for row in rows}
+            return name not in primaries
+        return False
 
     def _check_shard(self, key: str) -> str:
         """The key's shard, unless it is known down: then fail at once (a call to a dead primary
