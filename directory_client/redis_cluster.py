@@ -73,6 +73,11 @@ def parse_cluster_url(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
     return seeds, opts
 
 
+def _first_key(cmd: tuple[Any, ...]) -> Any:
+    """The first key of a command we send (``EVALSHA sha numkeys key …`` or ``CMD key …``)."""
+    return cmd[3] if cmd[0] == "EVALSHA" else cmd[1]
+
+
 class RedisClusterDirectory(RedisDirectoryBase):
     """``Directory`` on a Redis Cluster (redis.asyncio.cluster.RedisCluster)."""
 
@@ -204,9 +209,36 @@ class RedisClusterDirectory(RedisDirectoryBase):
             return await super()._eval(name, keys, args)
 
     async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        for cmd in commands:
-            self._check_shard(cmd[3] if cmd[0] == "EVALSHA" else cmd[1])
-        return await super()._send(commands)
+        """One pipeline per shard, in parallel (as the cluster client would send them), each
+        refused or marked down on its own: one shard down must not keep the others' part unsent
+        (a node's meta beside its registry entry: its heartbeat deadline) nor go unnoticed."""
+        by_shard: dict[str, list[int]] = {}
+        for i, cmd in enumerate(commands):
+            by_shard.setdefault(self._shard_of(_first_key(cmd)), []).append(i)
+        if len(by_shard) <= 1:
+            return await self._send_to_shard(commands)
+        results: list[Any] = [None] * len(commands)
+
+        async def send(rows: list[int]) -> None:
+            try:
+                out = await self._send_to_shard([commands[i] for i in rows])
+            except Exception as e:  # every command of that shard gets its failure
+                out = [e] * len(rows)
+            for i, r in zip(rows, out):
+                results[i] = r
+
+        await asyncio.gather(*(send(rows) for rows in by_shard.values()))
+        return results
+
+    async def _send_to_shard(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        if not commands:
+            return []
+        key = _first_key(commands[0])
+        async with self._on_key(key):
+            out = await super()._send(commands)
+        if any(isinstance(r, (RedisConnectionError, RedisTimeoutError)) for r in out):  # a pipeline reports, not raises
+            self._mark_down(self._shard_of(key))
+        return out
 
     async def _live_node_ids(self) -> list[str]:
         """The registry's live ids, cached; the last known list while the registry's shard is down."""

@@ -465,3 +465,37 @@ async def test_a_reserve_refused_for_a_down_shard_is_not_given_back_for_minutes(
             assert not d._lost
         finally:
             await d.aclose()
+
+
+@pytest.mark.parametrize("seen_down_first", [False, True])
+async def test_static_nodes_stay_alive_while_the_registry_shard_is_down(seen_down_first: bool) -> None:
+    """The registry's shard dies; the static fleet's keeper goes on registering its healthy nodes
+    (one pipeline per node: its meta on the node's shard, its registry entry on the dead one).
+    Before: a pipeline's failure never marked its shard down, so each registration reached the
+    dead primary and counted against the circuit breaker, which opened for the whole directory;
+    and once a lookup had marked the shard down, the whole pipeline was refused, so no node's
+    heartbeat deadline moved and after the heartbeat TTL every node on the live shards vanished
+    from lookups (each request failed open). Now each shard's part is sent, or refused, alone."""
+    from tests.redis_servers import redis_cluster
+
+    ttl_s = 1.0
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="keep", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=ttl_s, live_cache_s=0.0)
+        try:
+            nodes, registry_port = _shard_nodes("keep", servers)
+            live = sorted(n for p, ns in nodes.items() if p != registry_port for n in ns)
+            await _register(d, live)
+            await d.lookup(KEYS)  # the node list is known
+            next(s for s in servers if s.port == registry_port).kill()
+            if seen_down_first:
+                await d.lookup(KEYS)  # its registry read finds the shard dead
+            started = time.monotonic()
+            while time.monotonic() - started < 3 * ttl_s:
+                for node_id in live:  # the keeper's tick
+                    with contextlib.suppress(DirectoryUnavailable):
+                        await d.register_node(NodeInfo(node_id, "10.0.0.1:8000"))
+                await asyncio.sleep(ttl_s / 3)
+            view = await d.lookup(KEYS)
+            assert sorted(nv.node.node_id for nv in view.nodes) == live
+        finally:
+            await d.aclose()
