@@ -231,18 +231,19 @@ class RedisDirectoryBase(ABC):
     def _evalsha_args(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> tuple[Any, ...]:
         return ("EVALSHA", self._scripts[name].sha, len(keys), *keys, *args)
 
-    async def _pipeline(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Send commands in one pipeline (one round trip per shard, shards in parallel)."""
-        results = await self._send(commands)
+    async def _pipeline(self, commands: Sequence[tuple[Any, ...]], *, one_shard: bool = False) -> list[Any]:
+        """Send commands in one pipeline (one round trip per shard, shards in parallel);
+        ``one_shard``: the caller knows they all go to one cluster shard."""
+        results = await self._send(commands, one_shard)
         if any(isinstance(r, NoScriptError) for r in results):
             await self._load_scripts()
-            results = await self._send(commands)
+            results = await self._send(commands, one_shard)
         for r in results:
             if isinstance(r, Exception):
                 raise r
         return results
 
-    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def _send(self, commands: Sequence[tuple[Any, ...]], one_shard: bool = False) -> list[Any]:
         pipe = self._client.pipeline(transaction=False)
         for cmd in commands:
             pipe.execute_command(*cmd)

@@ -208,10 +208,12 @@ class RedisClusterDirectory(RedisDirectoryBase):
         async with self._on_key(keys[0]):
             return await super()._eval(name, keys, args)
 
-    async def _send(self, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    async def _send(self, commands: Sequence[tuple[Any, ...]], one_shard: bool = False) -> list[Any]:
         """One pipeline per shard, in parallel (as the cluster client would send them), each
         refused or marked down on its own: one shard down must not keep the others' part unsent
         (a node's meta beside its registry entry: its heartbeat deadline) nor go unnoticed."""
+        if one_shard:  # a lookup's part: no grouping to pay per node on the request path
+            return await self._send_to_shard(commands)
         by_shard: dict[str, list[int]] = {}
         for i, cmd in enumerate(commands):
             by_shard.setdefault(self._shard_of(_first_key(cmd)), []).append(i)
@@ -308,4 +310,4 @@ class RedisClusterDirectory(RedisDirectoryBase):
 
     async def _ask_shard(self, rows: list[tuple[str, tuple[Any, ...]]]) -> list[Any]:
         async with asyncio.timeout(self.shard_timeout_s):
-            return await self._pipeline([cmd for _, cmd in rows])
+            return await self._pipeline([cmd for _, cmd in rows], one_shard=True)
