@@ -3,10 +3,11 @@
 A long fresh prompt is routed on its head (``RoutingCore._route_by_head``); its whole text is
 tokenized afterwards only so that the conversation's next turn finds it in the segment cache.
 That work is optional and must never delay a request, so it runs in one worker of its own at the
-lowest CPU priority (nice 19) — never on the event loop nor on the executor the request path's
-own long encodes use — and at most ``max_pending`` prompts wait or run. A prompt arriving when
-that many are pending is dropped and counted (``kvgate_background_tokenize_total{outcome}``): its
-next turn is tokenized on the request path, as if this cache fill did not exist.
+lowest CPU priority (a process in Linux's idle scheduling class, a thread at nice 19) — never on
+the event loop nor on the executor the request path's own long encodes use — and at most
+``max_pending`` prompts wait or run. A prompt arriving when that many are pending is dropped and
+counted (``kvgate_background_tokenize_total{outcome}``): its next turn is tokenized on the request
+path, as if this cache fill did not exist.
 
 ``worker="process"`` (default) encodes in a child process that loads the same ``tokenizer.json``
 and sends the token IDs back; the event loop only puts them in the cache. ``"thread"`` encodes in
@@ -38,17 +39,32 @@ NICE = 19  # runs only on CPU that nothing else of the same user wants
 _child_tokenizer: PromptTokenizer | None = None  # in the worker process only
 
 
-def _lower_priority() -> None:
-    """Nice the calling thread (Linux: a thread has its own nice value) or process."""
+def _lower_priority(*, idle: bool = False) -> None:
+    """Nice the calling thread to 19 (Linux: each thread has its own nice value and policy, and
+    threads it starts inherit them); ``idle``: put it in the idle scheduling class as well.
+
+    Nice 19 alone still takes 15/36 of the CPU a nice-15 thread gets (a kvgate run under ``nice``
+    meets it nearly as an equal), and a thread of the event loop or Envoy waking on its core waits
+    out the scheduler's wakeup granularity. ``SCHED_IDLE`` (no privilege needed) is preempted as
+    soon as any normal thread wants the core — so only the worker *process* uses it: a thread of
+    this process may be preempted holding the GIL, and on a saturated machine an idle-class thread
+    may not run again for long, with the event loop waiting for the GIL meanwhile.
+    """
+    tid = threading.get_native_id()
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+        os.setpriority(os.PRIO_PROCESS, tid, NICE)
     except (AttributeError, OSError):  # no per-thread priority here: run at the normal one
         pass
+    if idle:
+        try:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        except (AttributeError, OSError):  # not Linux: nice 19 is what there is
+            pass
 
 
 def _start_child(source: str) -> None:
     global _child_tokenizer
-    _lower_priority()
+    _lower_priority(idle=True)
     # encode on this niced thread, not on a pool of tokenizers' own (created at normal priority)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _child_tokenizer = PromptTokenizer(source, cache_bytes=0)

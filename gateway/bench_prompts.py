@@ -1,7 +1,8 @@
 """``kvgate bench overhead --prompt-tokens 1k,8k,32k,128k``: what a prompt's length costs kvgate.
 
 Three kinds of request per size, each sent through plain Envoy and through Envoy + kvgate over
-ext_authz (the same bodies), at concurrency 1 and with ``concurrency`` in flight:
+ext_authz (the same bodies; alternating request by request at concurrency 1), at concurrency 1
+and with ``concurrency`` in flight:
 
 - ``chat``: a continuing chat — a history of that size seen before (sent once beforehand), plus one
   new short turn. It should cost what the new turn costs, not what the history costs.
@@ -16,8 +17,9 @@ Per cell: latency p50/p99 and what kvgate adds over plain Envoy, kvgate's decisi
 ``kvgate_decision_seconds{stage="total"}`` histogram, interpolated in its buckets), kvgate's CPU
 per request on the request path (the serve process) and in the background worker (its children),
 and Envoy's. ``interference`` then measures the p99 of continuing 1k chats alone and while fresh
-prompts of the largest size arrive back to back, through plain Envoy and through kvgate: a fresh
-prompt must not hold up the others more than the long body itself does.
+prompts of the largest size arrive back to back, through plain Envoy and through kvgate (in rounds
+Envoy, kvgate, kvgate, Envoy): a fresh prompt must not hold up the others more than the long body
+itself does.
 """
 
 from __future__ import annotations
@@ -92,13 +94,44 @@ def _decision_ms(before: str, after: str) -> dict[str, float | None]:
     return out
 
 
+async def alternating(s: aiohttp.ClientSession, first: str, second: str, bodies: Sequence[bytes]) -> tuple[list[float], list[float]]:
+    """Every body to ``first`` and to ``second``, one request at a time, which goes first swapped
+    from body to body; the two lists of latencies. A drift of the machine's load (other processes,
+    CPU frequency) over the run then weighs on both alike: measured one after the other, all of it
+    went into their difference."""
+    a: list[float] = []
+    b: list[float] = []
+    for i, body in enumerate(bodies):
+        if i % 2 == 0:
+            a.append(await post(s, first, body))
+            b.append(await post(s, second, body))
+        else:
+            b.append(await post(s, second, body))
+            a.append(await post(s, first, body))
+    return a, b
+
+
 async def _cell(
     s: aiohttp.ClientSession, urls: dict[str, str], path: str, bodies: Sequence[bytes], concurrency: int,
     *, kvgate_pid: int, envoy_pid: int, admin_url: str, sglang_pid: int | None,
 ) -> dict:
-    """The same bodies through plain Envoy, then through kvgate (and sglang-router, for text
-    prompts: it refuses token IDs); each one's figures and what it adds over plain Envoy."""
-    base = percentiles(await run_requests(s, urls["envoy"] + path, bodies, concurrency))
+    """The same bodies through plain Envoy and through kvgate — alternating at concurrency 1, one
+    after the other when many are in flight (they would load each other) — and through
+    sglang-router for text prompts (it refuses token IDs); each one's figures and what it adds
+    over plain Envoy. Plain Envoy is another process: kvgate's and its Envoy's CPU are theirs."""
+    envoy_url, kvgate_url = urls["envoy"] + path, urls["kvgate"] + path
+    base_lat = await run_requests(s, envoy_url, bodies, concurrency) if concurrency > 1 else None
+    m0 = await scrape(s, admin_url)
+    kv0, bg0, e0 = cpu_seconds(kvgate_pid), cpu_seconds(kvgate_pid, children=True), cpu_seconds(envoy_pid)
+    if base_lat is None:
+        base_lat, lat = await alternating(s, envoy_url, kvgate_url, bodies)
+    else:
+        lat = await run_requests(s, kvgate_url, bodies, concurrency)
+    kv1, e1 = cpu_seconds(kvgate_pid), cpu_seconds(envoy_pid)  # before polling /metrics, which costs kvgate CPU too
+    await background_idle(s, admin_url)  # the background work these requests caused, all of it
+    bg1 = cpu_seconds(kvgate_pid, children=True)
+    m1 = await scrape(s, admin_url)
+    base = percentiles(base_lat)
     peer: dict = {}
     if sglang_pid is not None and path == CHAT:
         c0 = cpu_seconds(sglang_pid, children=False)
@@ -108,13 +141,6 @@ async def _cell(
             "sglang_added_p50_ms": got["p50_ms"] - base["p50_ms"], "sglang_added_p99_ms": got["p99_ms"] - base["p99_ms"],
             "sglang_cpu_ms_per_request": (cpu_seconds(sglang_pid) - c0) * 1000 / len(bodies),
         }
-    m0 = await scrape(s, admin_url)
-    kv0, bg0, e0 = cpu_seconds(kvgate_pid), cpu_seconds(kvgate_pid, children=True), cpu_seconds(envoy_pid)
-    lat = await run_requests(s, urls["kvgate"] + path, bodies, concurrency)
-    kv1, e1 = cpu_seconds(kvgate_pid), cpu_seconds(envoy_pid)  # before polling /metrics, which costs kvgate CPU too
-    await background_idle(s, admin_url)  # the background work these requests caused, all of it
-    bg1 = cpu_seconds(kvgate_pid, children=True)
-    m1 = await scrape(s, admin_url)
     n = len(bodies)
     got = percentiles(lat)
     return {
@@ -188,17 +214,21 @@ def goals(result: dict) -> dict[str, float]:
 async def _interference(s: aiohttp.ClientSession, urls: dict[str, str], make: Bodies, size: int, n: int, admin_url: str) -> dict:
     """p50/p99 of continuing 1k chats at concurrency 1, alone and while fresh ``size`` prompts
     arrive back to back on other connections — through kvgate and, as the baseline, through plain
-    Envoy (the same machine also carries the long bodies there: what kvgate adds is the difference)."""
+    Envoy (the same machine also carries the long bodies there: what kvgate adds is the difference).
+
+    Four rounds of ``n // 2`` chats each, Envoy, kvgate, kvgate, Envoy, pooled per target: a load
+    that drifts over the run weighs on both targets alike."""
     history = make.doc("Interference chat", 1000)
     await post(s, urls["kvgate"] + CHAT, make.chat(history, -1))
-    normal = [make.chat(history, i) for i in range(n)]
-    out: dict = {"fresh_tokens": size}
-    for target in ("envoy", "kvgate"):
+    half = max(n // 2, 1)
+    pooled = {t: {"alone": [], "with_fresh": [], "fresh": []} for t in ("envoy", "kvgate")}
+    for r, target in enumerate(("envoy", "kvgate", "kvgate", "envoy")):
         url = urls[target] + CHAT
-        alone = percentiles(await run_requests(s, url, normal, 1))
+        normal = [make.chat(history, r * half + i) for i in range(half)]  # a new turn each: none cached yet
+        pooled[target]["alone"] += await run_requests(s, url, normal, 1)
         stop = asyncio.Event()
-        fresh_lat: list[float] = []
-        flood_bodies = [make.fresh(f"Flood {target} {i}", size) for i in range(n)]  # built before: the client must not stall
+        fresh_lat = pooled[target]["fresh"]
+        flood_bodies = [make.fresh(f"Flood {target} {r} {i}", size) for i in range(n)]  # built before: the client must not stall
 
         async def flood() -> None:
             for body in flood_bodies:
@@ -209,12 +239,15 @@ async def _interference(s: aiohttp.ClientSession, urls: dict[str, str], make: Bo
         task = asyncio.create_task(flood())
         await asyncio.sleep(0.2)
         try:
-            busy = percentiles(await run_requests(s, url, normal, 1))
+            pooled[target]["with_fresh"] += await run_requests(s, url, normal, 1)
         finally:
             stop.set()
             await task
         await background_idle(s, admin_url)
-        out[target] = {"alone": alone, "with_fresh": busy, "fresh": percentiles(fresh_lat), "fresh_requests": len(fresh_lat),
+    out: dict = {"fresh_tokens": size}
+    for target, lat in pooled.items():
+        alone, busy = percentiles(lat["alone"]), percentiles(lat["with_fresh"])
+        out[target] = {"alone": alone, "with_fresh": busy, "fresh": percentiles(lat["fresh"]), "fresh_requests": len(lat["fresh"]),
                        "p99_rise_ms": busy["p99_ms"] - alone["p99_ms"]}
     out["kvgate_p99_rise_over_envoy_ms"] = out["kvgate"]["p99_rise_ms"] - out["envoy"]["p99_rise_ms"]
     return out

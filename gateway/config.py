@@ -134,7 +134,7 @@ class TokenizerConfig(_Section):
     chat_template: str | None = Field(None, description="Jinja file path or template text; None = the tokenizer's own")
     cache_bytes: ByteSize = Field(256 * MiB, description="tokenization cache (a chat re-tokenizes only what is new)")
     background_worker: Literal["process", "thread"] = Field(
-        "process", description="where a head-routed prompt is tokenized in full afterwards (nice 19, off the request path)"
+        "process", description="where a head-routed prompt is tokenized in full afterwards (idle priority, off the request path)"
     )
     background_queue: int = Field(4, ge=1, description="prompts waiting for that; more are dropped and counted")
 

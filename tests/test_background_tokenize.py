@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import pytest
@@ -82,5 +83,36 @@ async def test_a_backlog_of_fresh_prompts_is_bounded_counted_and_never_delays_a_
         assert REGISTRY.get_sample_value("kvgate_background_tokenize_pending") == 0
         for r in (*results, normal):
             await core.release(r)
+    finally:
+        background.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux's idle scheduling class")
+@pytest.mark.parametrize("worker", ["process", "thread"])
+async def test_the_background_worker_yields_the_cpu_to_everything_else(worker: str) -> None:
+    """Nice 19 still takes a share of a core from a kvgate run under ``nice`` and waits out the
+    scheduler's wakeup granularity: the worker process is in SCHED_IDLE, which any normal thread
+    preempts at once. A worker thread only at nice 19: idle-class, it could be preempted holding
+    the GIL the event loop needs and not run again while the machine is busy."""
+    tok = PromptTokenizer()
+    background = BackgroundTokenizer(tok, worker=worker, max_pending=1)
+    done = counted("done")
+    try:
+        assert background.submit(tok.prepare(CHAT, long_chat(99)))
+        deadline = time.monotonic() + 60
+        while counted("done") == done and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert counted("done") == done + 1
+        executor = background._executor
+        if worker == "process":
+            ids = list(executor._processes)  # type: ignore[union-attr]
+        else:
+            ids = [t.native_id for t in executor._threads]  # type: ignore[union-attr]
+        assert ids
+        for tid in ids:
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 19
+            policy = os.SCHED_IDLE if worker == "process" else os.SCHED_OTHER
+            assert os.sched_getscheduler(tid) == policy
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the event loop's own thread is untouched
     finally:
         background.close()

@@ -76,3 +76,37 @@ def test_replay_checks_every_policy_before_the_first_one_runs(tmp_path: Path) ->
     assert "pip install -e '.[loadtest]'" in proc.stdout
     assert time.monotonic() - started < 30
     assert "starting" not in proc.stdout and not (tmp_path / "wd").exists()  # no engine was started
+
+
+async def test_the_sweep_alternates_its_two_targets_request_by_request() -> None:
+    """At concurrency 1 plain Envoy and kvgate get each body in turn, which one first swapped every
+    body: a load that drifts during the cell then weighs on both, not on their difference."""
+    import aiohttp
+    from aiohttp import web
+
+    from gateway.bench_prompts import alternating
+
+    seen: list[tuple[str, bytes]] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append((request.match_info["target"], await request.read()))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/{target}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    bodies = [b"0", b"1", b"2", b"3", b"4"]
+    try:
+        async with aiohttp.ClientSession() as s:
+            first, second = await alternating(s, f"http://127.0.0.1:{port}/a", f"http://127.0.0.1:{port}/b", bodies)
+    finally:
+        await runner.cleanup()
+    assert len(first) == len(second) == len(bodies) and min(first + second) > 0
+    assert seen == [
+        ("a", b"0"), ("b", b"0"), ("b", b"1"), ("a", b"1"), ("a", b"2"), ("b", b"2"),
+        ("b", b"3"), ("a", b"3"), ("a", b"4"), ("b", b"4"),
+    ]
