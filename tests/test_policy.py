@@ -206,6 +206,23 @@ def test_queue_estimate_follows_the_documented_formula(profile):
     )
 
 
+def test_queued_prefill_counts_only_until_its_estimated_first_token(profile):
+    """A prompt reserved 0.25 s ago with its first token due at 0.3 s is mostly prefilled: a
+    node with it queued must not look 0.4 s away (its whole prefill) to the next turn of a
+    conversation it holds. That sent replay's follow-up turns away from their cache."""
+    est = TtftEstimator(profile, request())
+    fresh, late = NodeLoad(1, 7400), NodeLoad(1, 7400, prefill_due_s=0.05)
+    assert est.queue_s(fresh) == pytest.approx(7400 / profile.prefill_tokens_per_s + 1.5 * profile.decode_step_seconds(1, 7400))
+    assert est.queue_s(late) == pytest.approx(0.05 + 1.5 * profile.decode_step_seconds(1, 7400))
+    assert NodeLoad(0, 9000, prefill_due_s=0.1) == NodeLoad(0, 9000)  # a time, not part of the load's identity
+    v = view(node(1), NodeView(node(2, 500).node, 500, Tier.GPU, late), node(3))
+    for name in ("kvgate", "kvgate_nopull"):
+        d = make_policy(name).decide(request(), v, profile, now=0.0)
+        assert (d.outcome, d.node.node_id) == ("owner", "n2"), d.reason
+        costs = {c.node_id: c for c in d.candidates}
+        assert costs["n2"].queue_s == pytest.approx(est.queue_s(late))
+
+
 def test_estimator_rejects_a_link_the_profile_lacks(profile):
     with pytest.raises(ValueError, match="infiniband"):
         TtftEstimator(profile, request(), link="infiniband")
