@@ -40,7 +40,8 @@ local function held_prefix(blocks, keys, n)
   return held, worst
 end
 
--- retire what fell due in resv and return the node's load counters: a "p:token|prefill" member
+-- retire what fell due in resv and return the node's load counters and the ms until the last
+-- queued prefill's first token is due (0 with nothing queued): a "p:token|prefill" member
 -- due means that request's first token is due (its prefill stops counting); a "token|prefill"
 -- member due means the reservation ended (its caller never sees the response end, or its
 -- gateway replica died mid-request) and, if it still counted prefill, that too.
@@ -65,19 +66,21 @@ local function current_load(load, resv, now)
     -- "0 - x", not "-x": Lua's -0 reaches Redis as "-0", which HINCRBY rejects
     if tokens > 0 then redis.call('HINCRBY', load, 't', 0 - tokens) end
   end
-  local l = redis.call('HMGET', load, 'r', 't')
+  local l = redis.call('HMGET', load, 'r', 't', 's')
   local r, t = tonumber(l[1]) or 0, tonumber(l[2]) or 0
   if r < 0 then r = 0 end
   if t < 0 then t = 0 end
-  return r, t
+  local due = 0
+  if t > 0 then due = math.max((tonumber(l[3]) or now) - now, 0) end
+  return r, t, due
 end
 
 -- one live node's answer, or nil when it is dead or unknown:
--- {info, held, worst_tier, inflight, prefill, indexed blocks in all (HLEN: O(1))}
+-- {info, held, worst_tier, inflight, prefill, indexed blocks in all (HLEN: O(1)), ms until the prefill is due}
 local function node_view(meta, blocks, load, resv, keys, n, now)
   local m = redis.call('HMGET', meta, 'info', 'until')
   if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
-  local r, t = current_load(load, resv, now)
+  local r, t, due = current_load(load, resv, now)
   local held, worst = held_prefix(blocks, keys, n)
-  return {m[1], held, worst, r, t, redis.call('HLEN', blocks)}
+  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due}
 end

@@ -1,5 +1,5 @@
 -- Redis Cluster: one node's prefix and load; all four keys share the node's hash tag (one slot).
--- KEYS: meta, blocks, load, resv; ARGV[1] key blob. Reply: {info, held, worst, inflight, prefill, indexed} or nil.
+-- KEYS: meta, blocks, load, resv; ARGV[1] key blob. Reply: {info, held, worst, inflight, prefill, indexed, due_ms} or nil.
 local keys, n = split_keys(ARGV[1])
 local v = node_view(KEYS[1], KEYS[2], KEYS[3], KEYS[4], keys, n, now_ms())
 if v == nil then return false end

@@ -69,7 +69,7 @@ class _Load:
     or until garbage outnumbers the live entries, when the heaps are rebuilt.
     """
 
-    __slots__ = ("reservations", "ends", "settles", "inflight", "prefill")
+    __slots__ = ("reservations", "ends", "settles", "inflight", "prefill", "due_at")
 
     def __init__(self) -> None:
         self.reservations: dict[str, tuple[float, int]] = {}
@@ -77,12 +77,15 @@ class _Load:
         self.settles: list[tuple[float, str]] = []
         self.inflight = 0
         self.prefill = 0
+        self.due_at = 0.0  # latest first-token time of any prefill reserved (a bound: releases keep it)
 
     def add(self, token: str, prefill: int, settle_at: float, end_at: float) -> None:
         self.reservations[token] = (end_at, prefill)
         heapq.heappush(self.ends, (end_at, token))
         if prefill:
             heapq.heappush(self.settles, (settle_at, token))
+            if settle_at > self.due_at:
+                self.due_at = settle_at
         self.inflight += 1
         self.prefill += prefill
 
@@ -112,8 +115,10 @@ class _Load:
                 self.inflight -= 1
                 self.prefill -= entry[1]
 
-    def view(self) -> NodeLoad:
-        return NodeLoad(self.inflight, self.prefill) if self.inflight else _IDLE
+    def view(self, now: float) -> NodeLoad:
+        if not self.inflight:
+            return _IDLE
+        return NodeLoad(self.inflight, self.prefill, max(self.due_at - now, 0.0)) if self.prefill else NodeLoad(self.inflight)
 
 
 class _Chunks:
@@ -350,7 +355,7 @@ class InProcessDirectory:
                     st.info,
                     KeySampler.blocks_for(held, positions),
                     TIERS[worst],
-                    _IDLE if load is None else load.view(),
+                    _IDLE if load is None else load.view(now),
                     len(blocks) * self.sampler.stride,
                 )
             )
@@ -395,7 +400,7 @@ class InProcessDirectory:
             load = self._loads.get(nid)
             if load is not None:
                 load.expire(now)
-            out[nid] = _IDLE if load is None else load.view()
+            out[nid] = _IDLE if load is None else load.view(now)
         return out
 
     # -- sessions ------------------------------------------------------------------------------

@@ -67,6 +67,13 @@ from tokenizer.keys import BlockKey
 
 _NODE_FIELDS = tuple(f.name for f in dataclasses.fields(NodeInfo))
 _IDLE = NodeLoad()
+
+
+def _load(inflight: int, prefill: int, due_ms: int) -> NodeLoad:
+    """A node's load as a lookup replied it (``due_ms`` counts only while prefill is queued)."""
+    if not inflight:
+        return _IDLE
+    return NodeLoad(inflight, prefill, due_ms / 1000.0) if prefill else NodeLoad(inflight)
 ALL_TIERS_MASK = 0b111
 
 
@@ -429,7 +436,7 @@ class RedisDirectoryBase(ABC):
 
     @abstractmethod
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
-        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill])."""
+        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill, indexed, due_ms])."""
 
     async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
         await self._check_config()
@@ -444,13 +451,13 @@ class RedisDirectoryBase(ABC):
         node = self._node
         views = []
         stride = self.sampler.stride
-        for _, (info, held, worst, inflight, prefill, indexed) in rows:
+        for _, (info, held, worst, inflight, prefill, indexed, due_ms) in rows:
             views.append(
                 NodeView(
                     node(info),
                     blocks_for(held, positions),
                     TIERS[worst],
-                    NodeLoad(inflight, prefill) if inflight else _IDLE,
+                    _load(inflight, prefill, due_ms),
                     indexed * stride,
                 )
             )
@@ -523,7 +530,7 @@ class RedisDirectoryBase(ABC):
     async def loads(self) -> dict[str, NodeLoad]:
         await self._check_config()
         rows = await self._fan_out(b"")
-        return {nid: NodeLoad(r[3], r[4]) if r[3] else _IDLE for nid, r in rows}
+        return {nid: _load(r[3], r[4], r[6]) for nid, r in rows}
 
     def _session_key(self, session: str) -> str:
         return f"{self.key_prefix}:session:{session}"

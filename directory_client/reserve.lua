@@ -18,7 +18,12 @@ if ARGV[5] ~= '' and inflight > tonumber(ARGV[5]) then return -1 end
 local ends = now + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[2], ends, ARGV[1])
 local prefill = tonumber(ARGV[2])
-if prefill > 0 then redis.call('ZADD', KEYS[2], now + tonumber(ARGV[4]), 'p:' .. ARGV[1]) end
+if prefill > 0 then
+  local due = now + tonumber(ARGV[4])
+  redis.call('ZADD', KEYS[2], due, 'p:' .. ARGV[1])
+  -- the latest first token of any prefill reserved (a bound: a release does not lower it)
+  if due > (tonumber(redis.call('HGET', KEYS[1], 's')) or 0) then redis.call('HSET', KEYS[1], 's', due) end
+end
 redis.call('HINCRBY', KEYS[1], 'r', 1)
 redis.call('HINCRBY', KEYS[1], 't', prefill)
 for k = 1, 2 do

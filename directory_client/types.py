@@ -83,6 +83,10 @@ class NodeLoad:
 
     inflight: int = 0
     prefill_tokens: int = 0
+    # Seconds from the lookup until the last queued prompt's estimated first token (inf: unknown).
+    # The queued prefill counts whole until then although most of it is done by then, so the cost
+    # model waits on it no longer than this. A time, not part of the load's identity.
+    prefill_due_s: float = field(default=float("inf"), compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -241,6 +241,9 @@ class PolicyConfig(_Section):
     churn_window_s: float = Field(
         DEFAULT_CHURN_WINDOW_S, ge=0, description="kvgate: an eviction costs more where memory turned over faster over this window (0: alike everywhere)"
     )
+    work_value: float = Field(
+        1.0, ge=0, description="kvgate: weight of the prefill a candidate computes beyond the least, times the fleet's busy share (0: free)"
+    )
     session_slack: float = Field(
         0.25, ge=0, description="a session stays on its node while that costs at most this fraction more than the cheapest"
     )

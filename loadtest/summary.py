@@ -113,6 +113,8 @@ def summarize(
         "imbalance_basis": basis,
         "per_node_requests": dict(sorted(counts.items())),
         "per_node_busy_s": dict(sorted(busy.items())),
+        # how busy the fleet was: mean busy seconds per node over the run's wall time (None unknown)
+        "busy_frac": sum(busy.values()) / len(busy) / wall if basis == "busy_seconds" else None,
         "decision_p50_ms": (decision_ms or {}).get("p50"),
         "decision_p99_ms": (decision_ms or {}).get("p99"),
         "request_table": request_table(ok),

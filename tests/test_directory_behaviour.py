@@ -347,6 +347,25 @@ async def test_a_reservation_stops_counting_its_prefill_at_its_first_token_by_it
     assert await two.loads() == {"a": NodeLoad()}
 
 
+async def test_a_lookup_says_when_the_queued_prefill_is_due(backend: Backend) -> None:
+    """The queued prefill counts whole until its first token, yet most of it is done by then:
+    every view says how long until the last queued prompt's first token is due, so the cost
+    model waits no longer than that on it."""
+    one, two = backend.make(op_timeout_s=2.0), backend.make(op_timeout_s=2.0)
+    await one.register_node(node("a"))
+    await one.register_node(node("b", 8001))
+    await one.reserve("a", 7000, first_token_s=1.0)
+    await one.reserve("a", 50, first_token_s=0.3)
+    await backend.sleep(0.4)
+    loads = await two.loads()
+    assert loads["a"] == NodeLoad(2, 7000)
+    assert 0.2 <= loads["a"].prefill_due_s <= 0.6 + 0.0001
+    view = await two.lookup([BlockKey(1)])
+    due = {n.node.node_id: n.load.prefill_due_s for n in view.nodes}
+    assert 0.2 <= due["a"] <= 0.6 + 0.0001
+    assert view.nodes[1].load.prefill_tokens == 0  # nothing queued on b
+
+
 async def test_a_reservation_held_for_an_estimate_ends_by_itself(backend: Backend) -> None:
     """What ext_authz relies on: no release call, yet the load leaves at the estimated end."""
     one, two = backend.make(op_timeout_s=2.0), backend.make(op_timeout_s=2.0)

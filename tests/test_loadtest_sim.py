@@ -80,6 +80,9 @@ def test_histogram_quantile_and_imbalance() -> None:
     assert histogram_quantile(0.5, {}) is None
     assert imbalance({"a": 1.0, "b": 1.0}) == pytest.approx(1.0)
     assert imbalance({"a": 3.0, "b": 1.0}) == pytest.approx(1.5)
+    # how busy the fleet was: mean busy seconds per node over the wall time; unknown without busy time
+    assert summarize([], wall_s=10.0, busy_s={"a": 8.0, "b": 6.0})["busy_frac"] == pytest.approx(0.7)
+    assert summarize([], wall_s=10.0)["busy_frac"] is None
 
 
 def test_simulate_command_writes_json(tmp_path, tok) -> None:

@@ -206,6 +206,44 @@ def test_queue_estimate_follows_the_documented_formula(profile):
     )
 
 
+def test_queued_prefill_counts_only_until_its_estimated_first_token(profile):
+    """A prompt reserved 0.25 s ago with its first token due at 0.3 s is mostly prefilled: a
+    node with it queued must not look 0.4 s away (its whole prefill) to the next turn of a
+    conversation it holds. That sent replay's follow-up turns away from their cache."""
+    est = TtftEstimator(profile, request())
+    fresh, late = NodeLoad(1, 7400), NodeLoad(1, 7400, prefill_due_s=0.05)
+    assert est.queue_s(fresh) == pytest.approx(7400 / profile.prefill_tokens_per_s + 1.5 * profile.decode_step_seconds(1, 7400))
+    assert est.queue_s(late) == pytest.approx(0.05 + 1.5 * profile.decode_step_seconds(1, 7400))
+    assert NodeLoad(0, 9000, prefill_due_s=0.1) == NodeLoad(0, 9000)  # a time, not part of the load's identity
+    v = view(node(1), NodeView(node(2, 500).node, 500, Tier.GPU, late), node(3))
+    for name in ("kvgate", "kvgate_nopull"):
+        d = make_policy(name).decide(request(), v, profile, now=0.0)
+        assert (d.outcome, d.node.node_id) == ("owner", "n2"), d.reason
+        costs = {c.node_id: c for c in d.candidates}
+        assert costs["n2"].queue_s == pytest.approx(est.queue_s(late))
+
+
+def test_a_follow_up_leaves_its_busy_owner_only_if_the_fleet_can_spare_the_prefill(profile):
+    """The owner of a conversation just took a fresh 7k-token prompt (0.39 s queued): recomputing
+    the follow-up's 4k tokens on the one idle node gives a sooner first token, but spends a full
+    prefill that, with most of the fleet busy, the next requests wait for. kvgate prices that
+    work (``work_value``) and stays; without it (and kvgate_nopull, the baseline) it recomputes."""
+    req = request(250)
+    busy = {"inflight": 1, "pullable": False}  # no transfer agents (a pull would spend no prefill)
+    v = view(node(1, **busy), node(2, 250, inflight=1, queued=7000, pullable=False), node(3, **busy), node(4, pullable=False))
+    d = make_policy("kvgate").decide(req, v, profile, now=0.0)
+    assert (d.outcome, d.node.node_id) == ("owner", "n2"), d.reason
+    assert "fleet's work" in d.reason
+    for free in (make_policy("kvgate", work_value=0), make_policy("kvgate_nopull")):
+        d = free.decide(req, v, profile, now=0.0)
+        assert (d.outcome, d.node.node_id) == ("recompute", "n4"), d.reason
+    # an idle fleet spares the prefill: the sooner first token wins
+    idle = view(*(node(i, pullable=False) for i in (1, 3, 4)), node(2, 250, inflight=1, queued=7000, pullable=False))
+    assert make_policy("kvgate").decide(req, idle, profile, now=0.0).outcome == "recompute"
+    with pytest.raises(ValueError, match="work_value"):
+        make_policy("kvgate_nopull", work_value=1.0)
+
+
 def test_estimator_rejects_a_link_the_profile_lacks(profile):
     with pytest.raises(ValueError, match="infiniband"):
         TtftEstimator(profile, request(), link="infiniband")

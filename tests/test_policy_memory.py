@@ -41,7 +41,9 @@ def busy_owner(held: int) -> tuple[NodeView, NodeView]:
 
 
 def test_a_busy_owner_is_left_for_a_copy_while_memory_is_to_spare(profile) -> None:
-    d = make_policy("kvgate").decide(request(), view(*busy_owner(held=1000)), profile, now=0.0)
+    # the fleet's work priced off: these scenarios are about memory (half of a 2-node fleet busy
+    # would otherwise keep the copy's prefill from being spent; tests/test_policy.py)
+    d = make_policy("kvgate", work_value=0).decide(request(), view(*busy_owner(held=1000)), profile, now=0.0)
     assert d.node.node_id == "n2" and d.outcome == "recompute"
     assert all(c.memory_s == 0 and c.survival == 1 for c in d.candidates)
     assert "memory" not in d.reason  # nothing to price: the explanation is the plain one
@@ -107,7 +109,7 @@ def test_an_owner_whose_memory_is_full_of_running_requests_gets_a_copy_made(prof
     one to finish, which no prefill figure shows. Crowding prices that wait, so the hot prompt is
     copied to an idle node; with room for the running ones the owner keeps it."""
     full = view(node(1, 512, held=1600, inflight=3, capacity=1600), node(2, 0, held=1600, capacity=1600))
-    d = make_policy("kvgate").decide(request(), full, profile, now=0.0)
+    d = make_policy("kvgate", work_value=0).decide(request(), full, profile, now=0.0)  # crowding alone
     assert d.node.node_id == "n2"
     owner = next(c for c in d.candidates if c.node_id == "n1")
     assert owner.queue_s >= 1.0  # one saturation penalty: a request beyond what its memory holds

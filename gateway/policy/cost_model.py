@@ -9,21 +9,25 @@ For node *n* holding ``c`` leading blocks of a prompt of ``P`` tokens (block siz
     ttft_pull(n, o) = queue(n) + stage(n) + transfer((c_o - c)·b tokens over the link) + stage_src(o)
                       + prefill(max(P - c_o·b, 1) new tokens after c_o·b cached)
 
-    queue(n) = Q / prefill_tokens_per_s                             (1) prefill queued ahead of us
+    queue(n) = min(Q / prefill_tokens_per_s, due(n))                (1) prefill queued ahead of us
              + 1.5 · decode_step_seconds(R, Q)        if R > 0      (2) decode interference
              + saturation_penalty_s · (R - max_num_seqs + 1)  if R >= max_num_seqs   (3)
 
-with ``R`` = in-flight requests and ``Q`` = the tokens they had to prefill (``NodeView.load``: the
-gateway reserves prompt minus expected cached tokens per request).
+with ``R`` = in-flight requests, ``Q`` = the tokens they had to prefill (``NodeView.load``: the
+gateway reserves prompt minus expected cached tokens per request) and ``due(n)`` = the time until
+the last of those prompts' estimated first token (``NodeLoad.prefill_due_s``).
 
 Why this shape:
 
 (1) Queued prefill is charged at the *linear* rate only. The profile's attention term is
     quadratic in one sequence's length; ``Q`` is the sum over many independent requests, so
     charging ``prefill_seconds(Q)`` would price 10 queued 1k prompts like one 10k prompt.
-    Reservations are held until a response *ends*, so on nodes with long decodes ``Q`` also counts
-    prefills already done: an upper bound that errs on the side of spreading load, never of piling
-    it up. (Releasing the prefill part at the first token would make this term exact.)
+    A prompt stops counting in ``Q`` at its estimated first token, but counts whole until then,
+    although most of it is computed by then: a node that took a fresh 7k-token prompt 0.25 s ago,
+    its first token due at 0.3 s, has 0.05 s of it left, not 0.4 s. Capped by ``due``, the
+    owner of a conversation is not priced as if that prefill had just begun (uncapped, replay's
+    follow-up turns left their cache to recompute 5k tokens on an idle node to save a wait that
+    was mostly over).
 (2) With continuous batching, the step that prefills us also decodes every running sequence,
     and we arrive, on average, half-way through a step already running: 1 + 1/2 decode steps
     of a batch of ``R`` whose context is taken as ``Q`` (the part of it the gateway knows). Small
@@ -71,7 +75,7 @@ class TtftEstimator:
     __slots__ = (
         "profile", "request", "link", "saturation_penalty_s", "memory",
         "_prompt", "_block_size", "_inv_prefill_rate", "_prefill_memo",
-        "_busy_s", "_busy_s_per_running", "_busy_s_per_queued", "_max_seqs",
+        "_busy_s", "_busy_s_per_running", "_busy_s_per_context", "_max_seqs",
     )
 
     def __init__(
@@ -98,7 +102,7 @@ class TtftEstimator:
         # in R and Q, so three constants price every node (decide() runs over hundreds per request).
         self._busy_s = 1.5 * (profile.decode_step_base_s - profile.decode_step_per_seq_s)
         self._busy_s_per_running = 1.5 * profile.decode_step_per_seq_s
-        self._busy_s_per_queued = self._inv_prefill_rate + 1.5 * profile.decode_step_per_context_token_s
+        self._busy_s_per_context = 1.5 * profile.decode_step_per_context_token_s
         self._max_seqs = profile.max_num_seqs
 
     def cached_tokens(self, blocks: int) -> int:
@@ -109,9 +113,12 @@ class TtftEstimator:
     def queue_s(self, load: NodeLoad) -> float:
         """Wait before our prefill starts on a node with this load (module docstring, (1)–(3))."""
         running = load.inflight
+        queued = load.prefill_tokens * self._inv_prefill_rate
+        if queued > load.prefill_due_s:
+            queued = load.prefill_due_s
         if running <= 0:
-            return load.prefill_tokens * self._inv_prefill_rate
-        wait = self._busy_s + self._busy_s_per_running * running + self._busy_s_per_queued * load.prefill_tokens
+            return queued
+        wait = queued + self._busy_s + self._busy_s_per_running * running + self._busy_s_per_context * load.prefill_tokens
         if running >= self._max_seqs:
             wait += self.saturation_penalty_s * (running - self._max_seqs + 1)
         return wait
@@ -178,16 +185,17 @@ class TtftEstimator:
         append = out.append
         # queue_s inlined (same arithmetic), and a node holding nothing of the prompt (most of a
         # large fleet) priced without calls: no staging, the whole prompt's prefill
-        busy_s, per_running, per_queued = self._busy_s, self._busy_s_per_running, self._busy_s_per_queued
+        busy_s, per_running, per_context = self._busy_s, self._busy_s_per_running, self._busy_s_per_context
         inv_rate, max_seqs, penalty_s = self._inv_prefill_rate, self._max_seqs, self.saturation_penalty_s
         cold_prefill = prefill_s(0)
         for i, nv in enumerate(nodes):
             load = nv.load
             running = load.inflight
-            if running <= 0:
-                queue = load.prefill_tokens * inv_rate
-            else:
-                queue = busy_s + per_running * running + per_queued * load.prefill_tokens
+            queue = load.prefill_tokens * inv_rate
+            if queue > load.prefill_due_s:
+                queue = load.prefill_due_s
+            if running > 0:
+                queue += busy_s + per_running * running + per_context * load.prefill_tokens
                 if running >= max_seqs:
                     queue += penalty_s * (running - max_seqs + 1)
             blocks = nv.cached_blocks

@@ -64,6 +64,7 @@ DEFAULT_MIN_PULL_BLOCKS = 8  # 128 tokens at block size 16: a few ms of prefill,
 DEFAULT_TIE_TOLERANCE_S = 0.001
 DEFAULT_SESSION_SLACK = 0.25
 DEFAULT_SESSION_SLACK_LONG = 1.0
+DEFAULT_WORK_VALUE = 1.0
 
 
 class KvgatePolicy:
@@ -89,6 +90,7 @@ class KvgatePolicy:
         split_ttft_slack: float = DEFAULT_TTFT_SLACK,
         session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
         churn_window_s: float = DEFAULT_CHURN_WINDOW_S,
+        work_value: float = DEFAULT_WORK_VALUE,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -100,6 +102,8 @@ class KvgatePolicy:
             raise ValueError(f"tie_tolerance_s must be >= 0, got {tie_tolerance_s!r}")
         if isinstance(memory_value, bool) or not isinstance(memory_value, int | float) or not memory_value >= 0:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
+        if isinstance(work_value, bool) or not isinstance(work_value, int | float) or not work_value >= 0:
+            raise ValueError(f"work_value must be a number >= 0 (0: the fleet's work is free), got {work_value!r}")
         if not session_slack >= 0:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
         if not split_ttft_slack >= 0:
@@ -125,6 +129,7 @@ class KvgatePolicy:
         self.churn = Churn(churn_window_s)  # memory turnover per node: an eviction on a busy node costs more
         self.first_token_tail = FirstTokenTail()  # a lower bound of the recent p99 of first tokens: a split stays under it
         self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
+        self.work_value = float(work_value)  # prefill spent beyond the least, priced by how busy the fleet is
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
@@ -151,6 +156,11 @@ class KvgatePolicy:
             ranked = dict(credits)
             for i, delay in blocking.items():
                 ranked[i] = ranked.get(i, 0.0) - delay
+        work = added_work(nodes, costs, self.work_value) if self.work_value > 0 else {}
+        if work:
+            ranked = dict(ranked)
+            for i, seconds in work.items():
+                ranked[i] = ranked.get(i, 0.0) - seconds
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, ranked)
@@ -198,9 +208,42 @@ class KvgatePolicy:
             reason=("keeps its session's node; " if kept is not None else "")
             + (f"warms new node {chosen.node_id} (credit {credits[chosen_i]:.3f} s); " if warmed else "")
             + (f"delays splits arriving here by {blocking[chosen_i] * 1e3:.1f}ms; " if chosen_i in blocking else "")
+            + spent(work, costs, ranked, chosen_i)
             + spared(blocking, costs, credits, chosen_i)
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
+
+
+def added_work(nodes: tuple[NodeView, ...], costs: list[CandidateCost], value: float) -> dict[int, float]:
+    """Index -> the prefill a candidate computes beyond the least any candidate would, times the
+    share of live nodes busy (in flight > 0) and ``value``: the wait it puts on requests behind it.
+
+    The estimate prices this request's first token only. A follow-up turn whose owner took a fresh
+    prompt a moment ago gets its first token sooner by recomputing its whole conversation on an
+    idle node, and the fleet pays a full prefill for it: on an idle fleet nobody waits for that,
+    on a busy one the next arrivals do (replay, chat at 70% busy: 1-1.5% of prompt tokens
+    recomputed so, hit rate a point below prefix affinity's). A pull moves KV instead of
+    computing it, so its transfer is not counted.
+    """
+    busy = 0
+    for nv in nodes:
+        if nv.load.inflight > 0:
+            busy += 1
+    if not busy:
+        return {}
+    share = value * busy / len(nodes)
+    least = min(c.prefill_s for c in costs)
+    return {i: share * (c.prefill_s - least) for i, c in enumerate(costs) if c.prefill_s > least}
+
+
+def spent(work: dict[int, float], costs: list[CandidateCost], ranked: dict[int, float], chosen_i: int) -> str:
+    """The reason's note when a sooner first token lost to the prefill it would have cost the fleet."""
+    mine = costs[chosen_i].score - ranked.get(chosen_i, 0.0)
+    lost = [i for i in work if i != chosen_i and costs[i].score < costs[chosen_i].score and costs[i].score - ranked.get(i, 0.0) >= mine]
+    if not lost:
+        return ""
+    i = min(lost, key=lambda j: costs[j].score)
+    return f"not {costs[i].node_id}: {work[i] * 1e3:.0f}ms of the fleet's work for {(costs[chosen_i].score - costs[i].score) * 1e3:.0f}ms sooner; "
 
 
 def spared(blocking: dict[int, float], costs: list[CandidateCost], credits: dict[int, float], chosen_i: int) -> str:

@@ -13,7 +13,7 @@ from gateway.policy.prefix_only import PrefixOnlyPolicy
 from gateway.policy.round_robin import RoundRobinPolicy
 
 
-_NOT_FOR_NOPULL = ("allow_pull", "memory_value", "churn_window_s", "warmup_s", "warmup_credit", "warmup_link_share")  # kvgate_nopull is the baseline: no pulls (so no warm-up), memory free
+_NOT_FOR_NOPULL = ("allow_pull", "memory_value", "churn_window_s", "warmup_s", "warmup_credit", "warmup_link_share", "work_value")  # kvgate_nopull is the baseline: no pulls (so no warm-up), memory and the fleet's work free
 
 
 def _kvgate_nopull(**options: Any) -> KvgatePolicy:
@@ -22,7 +22,7 @@ def _kvgate_nopull(**options: Any) -> KvgatePolicy:
             raise ValueError(
                 f"kvgate_nopull never pulls and prices no memory: option {option!r} is not accepted (use policy 'kvgate')"
             )
-    return KvgatePolicy(name="kvgate_nopull", allow_pull=False, memory_value=0.0, **options)
+    return KvgatePolicy(name="kvgate_nopull", allow_pull=False, memory_value=0.0, work_value=0.0, **options)
 
 
 # name -> (factory, options it accepts). The option lists are what config and error messages show.
