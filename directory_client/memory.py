@@ -331,10 +331,11 @@ class InProcessDirectory:
         kept, positions = self.sampler.select_array(keys)
         chunks = _Chunks(kept)
         views = []
+        stride, loads, blocks_for = self.sampler.stride, self._loads, KeySampler.blocks_for
         for nid, st in self._live(now):
             blocks = st.blocks
             held = worst = 0
-            for chunk in chunks:
+            for chunk in chunks if blocks else ():  # a node holding nothing (a cold one) is not scanned
                 for k in chunk:
                     mask = blocks.get(k)
                     if mask is None:
@@ -346,17 +347,17 @@ class InProcessDirectory:
                 else:
                     continue
                 break
-            load = self._loads.get(nid)
+            load = loads.get(nid)
             if load is not None:
                 load.expire(now)
             assert st.info is not None
             views.append(
                 NodeView(
                     st.info,
-                    KeySampler.blocks_for(held, positions),
+                    blocks_for(held, positions),
                     TIERS[worst],
                     _IDLE if load is None else load.view(now),
-                    len(blocks) * self.sampler.stride,
+                    len(blocks) * stride,
                 )
             )
         session_node = (self._session_node(session, now) or "") if session else ""

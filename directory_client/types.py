@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from directory_client.frozen import fast_frozen_init
 from tokenizer.keys import BlockKey
 
 
@@ -65,6 +66,7 @@ a decode node (never routed a whole request), ``decode`` receives KV and generat
 either and is the only role of an aggregated fleet."""
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class NodeInfo:
     """A serving node as registered by its bridge (or by static config)."""
@@ -77,6 +79,7 @@ class NodeInfo:
     role: NodeRole = "both"
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
     """Load every gateway replica sees for a node: in-flight requests and their queued prefill."""
@@ -89,6 +92,7 @@ class NodeLoad:
     prefill_due_s: float = field(default=float("inf"), compare=False)
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class NodeView:
     """One live node as seen by one lookup: its longest cached prefix of the asked keys, its load."""
@@ -100,6 +104,7 @@ class NodeView:
     total_blocks: int = 0  # every block the node holds, any prompt (estimated: indexed keys × stride)
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class DirectoryView:
     """Answer to ``Directory.lookup``: every live node, in a stable order (by node_id)."""
@@ -118,6 +123,7 @@ class DirectoryView:
         return max(self.nodes, key=lambda n: n.cached_blocks, default=None)
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class Reservation:
     """Load taken on a node by one routed request; give it back with ``Directory.release``."""

@@ -34,6 +34,7 @@ import hmac
 import logging
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from http import HTTPStatus
 from typing import cast
 from urllib.parse import unquote
@@ -76,6 +77,14 @@ def _http_response(status: int, headers: bytes = b"", body: bytes = b"") -> byte
     """One whole HTTP/1.1 response; ``headers``: header lines, each ending in CRLF."""
     reason = _REASONS.get(status, b"")
     return b"HTTP/1.1 %d %s\r\ncontent-length: %d\r\n%s\r\n%s" % (status, reason, len(body), headers, body)
+
+
+@lru_cache(maxsize=4096)
+def _routed_answer(headers: tuple[tuple[str, str], ...], connection: bytes) -> bytes:
+    """200 with the routing headers: a pure function of them, and a fleet routes to few distinct
+    ones (a node, or a node pulling from another), so each answer is built once."""
+    lines = "".join(f"{name}: {value}\r\n" for name, value in headers).encode("latin-1")
+    return _http_response(200, lines + connection)
 
 
 def _internal_error(connection: bytes) -> bytes:
@@ -429,8 +438,7 @@ class _Connection(asyncio.Protocol):
             if self._transport.is_closing():  # nobody will use this route: give its load back now
                 await self.service.core.release(result)
                 return b""
-            headers = "".join(f"{name}: {value}\r\n" for name, value in result.headers).encode("latin-1")
-            return _http_response(200, headers + req.connection)
+            return _routed_answer(result.headers, req.connection)
         except Exception:
             log.exception("ext_authz check failed (request_id=%s): answering 500, Envoy passes it on", req.request_id)
             return _internal_error(req.connection)

@@ -162,6 +162,7 @@ class RoutingCore:
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
+        self.in_process = directory.in_process  # read once: a wrapper (TrustedDirectory) forwards it by __getattr__
         self.policy = policy
         self.profile = profile
         self.limits = limits
@@ -490,7 +491,7 @@ class RoutingCore:
 
     async def _bounded(self, operation: Awaitable[T]) -> T:
         """A directory call under the lookup timeout; an in-process directory needs none."""
-        if self.directory.in_process:
+        if self.in_process:
             return await operation
         async with asyncio.timeout(self.limits.lookup_timeout_s):  # no task, unlike wait_for
             return await operation

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from directory_client.frozen import fast_frozen_init
 from directory_client.types import DirectoryView, NodeLoad
 from gateway.policy.arrivals import PendingArrivals
 from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
@@ -33,6 +34,7 @@ MAX_ANSWER_TOKENS = 8192  # default ceiling of the answer budget a request's loa
 MAX_HOLD_S = 300.0  # default cap of every estimate: a load held on an estimate ends by then at the latest
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class Round:
     """A decision and what its reservation on the chosen node must say."""

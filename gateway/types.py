@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from directory_client.frozen import fast_frozen_init
 from directory_client.types import NodeInfo, Tier
 
 Outcome = Literal["owner", "pull", "recompute", "balanced", "no_nodes"]
@@ -13,6 +14,7 @@ recompute: a node with less (or nothing) cached is cheaper; balanced: a load/rou
 policy chose without looking at the cache; no_nodes: nothing live, the caller fails open."""
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class RoutingRequest:
     """What the policy needs to know of one inference request (no text, no token IDs)."""
@@ -32,6 +34,7 @@ class RoutingRequest:
     the same prompt always prefers the same one (and finds its own blocks there next turn)."""
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class PullPlan:
     """Tell the chosen node to fetch ``blocks`` leading blocks from ``source`` before prefill."""
@@ -41,6 +44,7 @@ class PullPlan:
     blocks: int  # how many leading blocks of the prompt to pull (the source's cached prefix)
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """A split request: ``address`` computes its prompt first and hands the KV to the destination
@@ -54,6 +58,7 @@ class PrefillPlan:
     kv_arrives_s: float = 0.0  # from now until the prompt's KV has reached the decode node
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class CandidateCost:
     """One node's estimated time to first token, by part, as the policy saw it.
@@ -83,6 +88,7 @@ class CandidateCost:
         return self.total_s + self.memory_s
 
 
+@fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The answer: where to send the request, what to fall back to, and why."""

@@ -289,6 +289,8 @@ def rank_candidates(
         totals[i] -= credit
     floor = min(totals) + tol
     tied = [i for i, t in enumerate(totals) if t <= floor]
+    if len(tied) > count:  # the same as sorting them all and keeping the first ``count``
+        return heapq.nsmallest(count, tied, key=lambda i: load_rank(nodes[i], affinity))
     if len(tied) > 1:
         tied.sort(key=lambda i: load_rank(nodes[i], affinity))
     if len(tied) >= count or len(tied) == len(totals):
