@@ -162,35 +162,16 @@ async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_bud
     lookup once the cached node list aged (1 s) asked the dead shard again inside the request's
     25 ms budget, and each registration (the static fleet's keeper, every tick) threw the cached
     list away, so lookups failed until the shard came back and the circuit breaker opened for the
-    whole directory. What a request gets now: the nodes on the live shards, every time; the dead
-    shard is tried again in the background, not on the request path."""
-    from redis.crc import key_slot
-
-    from directory_client.redis_base import NodeKeys
+    whole directory. What a request gets now: the nodes on the live shards (all of them unless one
+    is late on a busy machine), never a failure; the dead shard is tried again in the background,
+    not on the request path."""
     from tests.redis_servers import redis_cluster
-    from tests.test_directory_outage import slots_of
 
     with redis_cluster() as (url, servers):
         d = open_directory(url, key_prefix="dead", op_timeout_s=0.5, shard_timeout_s=0.02, index_stride=1, heartbeat_ttl_s=600)
         try:
-            owners = {s.port: slots_of(s.port) for s in servers}
-            nodes: dict[int, list[str]] = {}  # two nodes per shard
-            for i in range(400):
-                slot = key_slot(NodeKeys("dead", f"n{i}").meta.encode())
-                port = next(p for p, slots in owners.items() if slot in slots)
-                if len(nodes.setdefault(port, [])) < 2:
-                    nodes[port].append(f"n{i}")
-            registry_port = next(p for p, slots in owners.items() if key_slot(b"{dead}:registry") in slots)
-            deadline = time.monotonic() + 15
-            for node_id in [n for ns in nodes.values() for n in ns]:
-                while True:  # a new cluster may still say "cluster down" for a moment
-                    try:
-                        await d.register_node(NodeInfo(node_id, "10.0.0.1:8000"))
-                        await d.record_stored(node_id, KEYS, Tier.GPU)
-                        break
-                    except DirectoryUnavailable:
-                        assert time.monotonic() < deadline
-                        await asyncio.sleep(0.2)
+            nodes, registry_port = _shard_nodes("dead", servers, per_shard=2)
+            await _register(d, [n for ns in nodes.values() for n in ns])
             await d.lookup(KEYS)  # the node list is known
             live = {n for p, ns in nodes.items() if p != registry_port for n in ns}
             next(s for s in servers if s.port == registry_port).kill()
