@@ -35,7 +35,12 @@ from redis.backoff import ExponentialBackoff
 
 from prometheus_client import Counter
 
-from redis.exceptions import ConnectionError as RedisConnectionError, RedisError, TimeoutError as RedisTimeoutError
+from redis.exceptions import (
+    ConnectionError as RedisConnectionError,
+    RedisClusterException,
+    RedisError,
+    TimeoutError as RedisTimeoutError,
+)
 from redis.utils import str_if_bytes
 
 from directory_client.redis_base import RedisDirectoryBase, ShardDown
@@ -128,7 +133,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
     def _shard_of(self, key: str) -> str:
         try:
             shard = self._client.get_node_from_key(key)
-        except RedisError:  # the slot map is not read yet (first call) or lacks the slot
+        except (RedisError, RedisClusterException):  # the slot map is not read yet (first call) or lacks the slot
             return ""
         return shard.name if shard is not None else ""
 

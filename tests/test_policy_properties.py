@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Tier
 from gateway.policy import POLICY_NAMES, TtftEstimator, make_policy
+from gateway.policy.kvgate import added_work
 from gateway.profile import PROFILE_DIR, load_profile, shipped_profiles
 from gateway.types import RoutingRequest
 
@@ -69,11 +70,16 @@ def test_chosen_node_is_in_the_view_and_fallbacks_are_distinct_others(scenario, 
 @settings(max_examples=150, deadline=None)
 @given(scenarios(), st.sampled_from(["kvgate", "kvgate_nopull"]), st.sampled_from(["tcp", "rdma"]))
 def test_kvgate_picks_a_minimal_cost(scenario, name, link):
+    """Minimal over the first token's estimate plus the prefill it spends the fleet (work_value;
+    kvgate_nopull prices no work)."""
     req, view, profile = scenario
     policy = make_policy(name, link=link)
     d = policy.decide(req, view, profile, now=0.0)
-    chosen = next(c for c in d.candidates if c.node_id == d.node.node_id)
-    assert chosen.total_s <= min(c.total_s for c in d.candidates) + policy.tie_tolerance_s
+    work = added_work(view.nodes, list(d.candidates), policy.work_value) if policy.work_value > 0 else {}
+    ranked = [c.total_s + work.get(i, 0.0) for i, c in enumerate(d.candidates)]
+    at = next(i for i, c in enumerate(d.candidates) if c.node_id == d.node.node_id)
+    assert ranked[at] <= min(ranked) + policy.tie_tolerance_s
+    chosen = d.candidates[at]
     if d.pull is not None:
         source = next(nv for nv in view.nodes if nv.node.node_id == d.pull.source_node_id)
         assert name == "kvgate" and chosen.via_pull and d.outcome == "pull"
