@@ -95,6 +95,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
             raise ValueError(f"live_cache_s must be >= 0, got {live_cache_s!r}")
         self.shard_timeout_s = min(shard_timeout_s or self.op_timeout_s, self.op_timeout_s)
         self._shards_down: dict[str, asyncio.Task] = {}  # shard name -> its background probe
+        self._closing = False  # no probe starts once closing has begun (nobody would stop it)
         self._skip_until: dict[str, float] = {}  # shard name -> lookups leave it out until then (monotonic)
         self.live_cache_s = live_cache_s
         self._live_ids: list[str] | None = None  # None: never read
@@ -124,6 +125,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
             self._live_ids_at = float("-inf")  # read again when the registry answers; kept till then
 
     async def aclose(self) -> None:
+        self._closing = True
         probes = list(self._shards_down.values())
         for probe in probes:
             probe.cancel()
@@ -141,7 +143,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
         """Leave a shard out of lookups for ``SHARD_RETRY_S`` at least (one slow now may stay slow),
         and refuse calls on its keys until a background probe finds it answering again: at once for
         a shard only slow once, so a request's release is not lost to one slow lookup."""
-        if not name:
+        if not name or self._closing:
             return
         self._skip_until[name] = time.monotonic() + SHARD_RETRY_S
         if name not in self._shards_down:

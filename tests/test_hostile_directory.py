@@ -483,3 +483,17 @@ async def test_static_nodes_stay_alive_while_the_registry_shard_is_down(seen_dow
             assert sorted(nv.node.node_id for nv in view.nodes) == live
         finally:
             await d.aclose()
+
+
+async def test_a_shard_failing_while_the_directory_closes_starts_no_probe() -> None:
+    """A call in flight when the gateway shuts down fails on its shard after ``aclose`` began:
+    marking the shard down then must not start a probe that nobody would ever stop."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="closing", op_timeout_s=0.5)
+        await d.register_node(NodeInfo("n1", "10.0.0.1:8000"))
+        await d.aclose()
+        d._mark_down(f"127.0.0.1:{servers[0].port}")
+        assert not d._shards_down
+        assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("directory-shard-probe-")]
