@@ -92,7 +92,7 @@ def answer_tokens(
 
 
 def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: DirectoryView, now: float) -> float:
-    """How long the aggregated decision's prefill would delay splits arriving on its node."""
+    """How long the aggregated decision's prefill would delay splits arriving or answering on its node."""
     if not arrivals or decision.node is None:
         return 0.0
     i = next((i for i, nv in enumerate(view.nodes) if nv.node.node_id == decision.node.node_id), None)

@@ -59,7 +59,7 @@ def test_a_long_prompt_avoids_the_decode_node_a_split_is_arriving_on() -> None:
     policy.pending_arrivals.add("d2", at=0.2, blocks=1000, until=0.6)
     rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=32)
     assert rnd.decision.node is not None and rnd.decision.node.node_id == "d3", rnd.decision.reason
-    assert "not d2: its prefill would delay splits arriving there" in rnd.decision.reason
+    assert "not d2: its prefill would delay splits arriving or answering there" in rnd.decision.reason
 
 
 def test_a_split_is_recorded_as_arriving_on_its_decode_node_and_its_kv_counts_there_until_it_lands() -> None:

@@ -207,7 +207,7 @@ class KvgatePolicy:
             candidates=tuple(costs),
             reason=("keeps its session's node; " if kept is not None else "")
             + (f"warms new node {chosen.node_id} (credit {credits[chosen_i]:.3f} s); " if warmed else "")
-            + (f"delays splits arriving here by {blocking[chosen_i] * 1e3:.1f}ms; " if chosen_i in blocking else "")
+            + (f"delays splits arriving or answering here by {blocking[chosen_i] * 1e3:.1f}ms; " if chosen_i in blocking else "")
             + spent(work, costs, ranked, chosen_i)
             + spared(blocking, costs, credits, chosen_i)
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
@@ -247,13 +247,13 @@ def spent(work: dict[int, float], costs: list[CandidateCost], ranked: dict[int, 
 
 
 def spared(blocking: dict[int, float], costs: list[CandidateCost], credits: dict[int, float], chosen_i: int) -> str:
-    """The reason's note when a cheaper node lost because its prefill would delay splits arriving there."""
+    """The reason's note when a cheaper node lost because its prefill would delay splits arriving or answering there."""
     mine = costs[chosen_i].score - credits.get(chosen_i, 0.0)
     lost = [(i, d) for i, d in blocking.items() if i != chosen_i and costs[i].score - credits.get(i, 0.0) < mine]
     if not lost:
         return ""
     i, delay = min(lost, key=lambda x: costs[x[0]].score)
-    return f"not {costs[i].node_id}: its prefill would delay splits arriving there by {delay * 1e3:.1f}ms; "
+    return f"not {costs[i].node_id}: its prefill would delay splits arriving or answering there by {delay * 1e3:.1f}ms; "
 
 
 def keep_session(
