@@ -190,15 +190,14 @@ class RedisClusterDirectory(RedisDirectoryBase):
             return name not in primaries
         return False
 
-    def _check_shard(self, key: str) -> str:
-        """The key's shard, unless it is known down: then fail at once (a call to a dead primary
-        makes the cluster client drop and rebuild every shard's connections, costing the live ones)."""
+    def _check_shard(self, key: str) -> None:
+        """Fail at once if the key's shard is known down (a call to a dead primary makes the
+        cluster client drop and rebuild every shard's connections, costing the live ones)."""
         if not self._shards_down:  # the usual case: nothing to look up
-            return ""
+            return
         name = self._shard_of(key)
         if name in self._shards_down:
             raise ShardDown(f"shard {name} is down (probed every {SHARD_RETRY_S} s)")
-        return name
 
     @asynccontextmanager
     async def _on_key(self, key: str) -> AsyncIterator[None]:

@@ -5,11 +5,10 @@ cached_tokens); here, the parsing of DP-ranked series and the failures an operat
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from gateway import metrics
 from gateway.engine_scrape import EngineCacheScraper, prefix_cache_counters
 from tests.conftest import free_port
+from tests.support.engines import engine_endpoint
 
 VLLM_METRICS = """\
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
@@ -30,28 +29,21 @@ def test_counters_are_summed_over_data_parallel_ranks() -> None:
 
 async def test_a_node_that_fails_is_counted_and_keeps_its_last_values() -> None:
     """The operator sees kvgate_engine_scrape_errors_total{node} rise; the last good figures stay."""
-    async def vllm_metrics(_: web.Request) -> web.Response:
-        return web.Response(text=VLLM_METRICS)
-
-    app = web.Application()
-    app.router.add_get("/metrics", vllm_metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    scraper = EngineCacheScraper([("good", f"127.0.0.1:{port}"), ("down", f"127.0.0.1:{free_port()}")], interval_s=60)
+    down = free_port()
     errors = metrics.ENGINE_SCRAPE_ERRORS.labels("down")
     before = errors._value.get()
-    await scraper.start()
+    scraper: EngineCacheScraper | None = None
     try:
-        for node_id, address in scraper.nodes:
-            await scraper.scrape(node_id, address)
-        assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)
-        assert "down" not in metrics.CACHE_LOOP.engine
-        assert errors._value.get() >= before + 1
-        await runner.cleanup()  # the good node goes away: its figures stay as last scraped
-        await scraper.scrape("good", f"127.0.0.1:{port}")
-        assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)
+        async with engine_endpoint("/metrics", VLLM_METRICS) as port:
+            scraper = EngineCacheScraper([("good", f"127.0.0.1:{port}"), ("down", f"127.0.0.1:{down}")], interval_s=60)
+            await scraper.start()
+            for node_id, address in scraper.nodes:
+                await scraper.scrape(node_id, address)
+            assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)
+            assert "down" not in metrics.CACHE_LOOP.engine
+            assert errors._value.get() >= before + 1
+        await scraper.scrape("good", f"127.0.0.1:{port}")  # the good node went away
+        assert metrics.CACHE_LOOP.engine["good"] == (2080.0, 5120.0)  # its figures stay as last scraped
     finally:
-        await scraper.aclose()
-        await runner.cleanup()
+        if scraper is not None:
+            await scraper.aclose()

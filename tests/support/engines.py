@@ -1,10 +1,10 @@
-"""Small stand-ins shared by tests: an engine's health endpoint on a real port, and the hardware
+"""Small stand-ins shared by tests: an engine's health (or any plain) endpoint on a real port, and the hardware
 profile the policy tests price with."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 from aiohttp import web
 
@@ -13,14 +13,14 @@ from tests.conftest import free_port
 
 
 @asynccontextmanager
-async def healthy_engine() -> AsyncIterator[int]:
-    """An engine's ``GET /health`` answering 200 on a free port (the port is yielded)."""
+async def engine_endpoint(path: str, text: str) -> AsyncIterator[int]:
+    """An engine's ``GET path`` answering 200 with ``text`` on a free port (the port is yielded)."""
 
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def answer(_: web.Request) -> web.Response:
+        return web.Response(text=text)
 
     app = web.Application()
-    app.router.add_get("/health", health)
+    app.router.add_get(path, answer)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
@@ -29,6 +29,11 @@ async def healthy_engine() -> AsyncIterator[int]:
         yield port
     finally:
         await runner.cleanup()
+
+
+def healthy_engine() -> AbstractAsyncContextManager[int]:
+    """An engine's ``GET /health`` answering 200 on a free port (the port is yielded)."""
+    return engine_endpoint("/health", "ok")
 
 
 def sample_profile(capacity_blocks: int) -> HardwareProfile:
