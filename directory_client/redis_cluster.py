@@ -33,7 +33,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from redis.exceptions import (
     ConnectionError as RedisConnectionError,
@@ -50,6 +50,11 @@ log = logging.getLogger(__name__)
 SHARD_RETRY_S = 1.0  # how often a failed shard is probed in the background
 SHARD_FAILURES = Counter(
     "kvgate_directory_shard_failures", "Redis Cluster shards that failed or timed out in a lookup (their nodes left out)"
+)
+SHARDS_DOWN = Gauge(
+    "kvgate_directory_shards_down",
+    "Redis Cluster shards marked down now: calls on their keys fail open, lookups leave their nodes out "
+    "(the circuit stays closed while other shards answer, and may read 0 when every shard is down)",
 )
 
 
@@ -130,6 +135,8 @@ class RedisClusterDirectory(RedisDirectoryBase):
         for probe in probes:
             probe.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
+        SHARDS_DOWN.dec(len(self._shards_down))  # probes cancelled before they began never reached their finally
+        self._shards_down.clear()
         await super().aclose()
 
     def _shard_of(self, key: str) -> str:
@@ -148,6 +155,7 @@ class RedisClusterDirectory(RedisDirectoryBase):
         self._skip_until[name] = time.monotonic() + SHARD_RETRY_S
         if name not in self._shards_down:
             self._shards_down[name] = asyncio.create_task(self._probe(name), name=f"directory-shard-probe-{name}")
+            SHARDS_DOWN.inc()
 
     def _skipped(self, name: str, now: float) -> bool:
         """Is this shard left out of lookups now?"""
@@ -173,7 +181,8 @@ class RedisClusterDirectory(RedisDirectoryBase):
                 except Exception:  # slots uncovered mid-failover: next round
                     pass
         finally:
-            self._shards_down.pop(name, None)
+            if self._shards_down.pop(name, None) is not None:
+                SHARDS_DOWN.dec()
 
     async def _left_slot_map(self, name: str) -> bool:
         """Does a live primary's ``CLUSTER SLOTS`` no longer name shard ``name`` a primary? (Cheap,

@@ -194,6 +194,7 @@ async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_bud
             assert complete >= 0.8 * answered, (complete, answered)
             assert len(failed) <= 2, failed  # the lookup that found the shard dead, and one late on a busy machine
             assert not d.breaker.is_open
+            assert gauge("kvgate_directory_shards_down") == 1  # what an operator sees: one shard out, circuit closed
 
             next(s for s in servers if s.port == registry_port).start()  # back, empty: its nodes register again
             back = nodes[registry_port][0]
@@ -206,6 +207,7 @@ async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_bud
                         break
                 assert time.monotonic() < deadline, "the shard never came back into lookups"
                 await asyncio.sleep(0.2)
+            assert gauge("kvgate_directory_shards_down") == 0
         finally:
             await d.aclose()
 
