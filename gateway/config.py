@@ -202,7 +202,8 @@ class NodeConfig(_Section):
         "default kv@<address>@<model> or kv@<host>@<model>",
     )
     capacity_blocks: int = Field(
-        0, ge=0, description="its KV cache size in blocks (vLLM's 'GPU KV cache size' tokens ÷ block size); prices memory; 0 = unknown"
+        0, ge=0, description="its KV cache size in blocks (vLLM's 'KV cache size' tokens ÷ block size); prices memory; "
+        "0 = read from the engine's /metrics by the node's bridge (vLLM cache_config_info, SGLang max_total_num_tokens)"
     )
     role: Literal["prefill", "decode", "both"] = Field(
         "both", description="disaggregated serving: prefill computes prompts for decode nodes (never a destination), decode generates, both does either"

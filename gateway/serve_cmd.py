@@ -99,7 +99,8 @@ def static_nodes(cfg: KvgateConfig) -> list[NodeInfo]:
     """Nodes without KV events: kvgate itself keeps them registered while they are healthy."""
     return [
         NodeInfo(
-            node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint, model=cfg.node_model(n), role=n.role
+            node_id=n.node_id, address=n.address, transfer_endpoint=n.transfer_endpoint, model=cfg.node_model(n), role=n.role,
+            capacity_blocks=n.capacity_blocks,
         )
         for n in cfg.fleet
         if not n.events_endpoint
@@ -115,6 +116,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
         EngineSpec(
             node_id=n.node_id, address=n.address, events=COLLECTOR, replay=n.replay_endpoint or None,
             transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n), role=n.role,
+            capacity=n.capacity_blocks,
         )
         for n in cfg.fleet
         if cfg.events_collector and not n.events_endpoint

@@ -98,7 +98,7 @@ import secrets
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import zmq
 import zmq.asyncio
@@ -108,6 +108,7 @@ from zmq.utils.monitor import parse_monitor_message
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode, WriterLease
 from directory_client.validate import check_node_id
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from workers.engine_capacity import fetch_capacity_blocks
 from workers.kv_events import (
     END_SEQ,
     AllBlocksCleared,
@@ -172,6 +173,8 @@ WRITER = Gauge(
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
 DEFAULT_MAX_BLOCKS_PER_NODE = 1_000_000
 """Blocks tracked per node when the engine's capacity is unknown (~200 MiB at ~210 B a block)."""
+CAPACITY_RETRY_S = 30.0
+"""How often an engine that did not say its KV capacity is asked again."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +201,7 @@ class EngineSpec:
     events: str  # ZMQ PUB endpoint, e.g. "tcp://127.0.0.1:5557", or COLLECTOR
     replay: str | None = None  # ZMQ ROUTER replay endpoint; None = gaps cannot be repaired
     transfer: str = ""  # "ip:port" of its KV transfer agent
-    capacity: int = 0  # KV cache size in blocks (0 = unknown)
+    capacity: int = 0  # KV cache size in blocks (0 = ask the engine's /metrics: workers.engine_capacity)
     topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
     model: str = ""  # the base model it serves ("" = the bridge's)
     role: NodeRole = "both"  # prefill, decode or both (disaggregated serving)
@@ -604,6 +607,7 @@ class _Stream:
     last_live: int | None = None  # last live seq on the current connection
     connected: bool = False
     registered: bool = False
+    announced: NodeInfo | None = None  # the info last registered: `info` changed since → announced again
     writer: bool = False  # holds the node's writer lease: the only bridge writing its entries
     authoritative: bool = False  # `blocks` accounts for every entry the node may rightly have
     degraded: dict[str, str] = field(default_factory=dict)  # reason -> detail; entries withheld
@@ -618,6 +622,7 @@ class _Stream:
     consumer: asyncio.Task[None] | None = None
     flusher: asyncio.Task[None] | None = None
     heartbeat: asyncio.Task[None] | None = None
+    capacity_probe: asyncio.Task[None] | None = None
     batches: int = 0
     malformed: int = 0
     rejected: int = 0
@@ -723,6 +728,8 @@ class KVEventBridge:
                 st.consumer = asyncio.create_task(self._consume(st), name=f"kv-bridge-events-{node}")
             st.flusher = asyncio.create_task(self._flush_loop(st), name=f"kv-bridge-flush-{node}")
             st.heartbeat = asyncio.create_task(self._heartbeat_loop(st), name=f"kv-bridge-heartbeat-{node}")
+            if not st.spec.capacity and not st.spec.collected:  # a collected node is announced by the static fleet
+                st.capacity_probe = asyncio.create_task(self._learn_capacity(st), name=f"kv-bridge-capacity-{node}")
 
     async def aclose(self, *, deregister: bool = True, timeout_s: float = 2.0) -> None:
         """Stop consuming, write what is pending, deregister the nodes (if asked), close sockets.
@@ -739,7 +746,7 @@ class KVEventBridge:
         if self._ctx is None:
             return  # never started: nothing was registered or written
         # stop taking events and heartbeating first, then write what is left, then leave
-        first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat) if t is not None]
+        first = [t for st in self._streams.values() for t in (st.consumer, st.heartbeat, st.capacity_probe) if t is not None]
         if self._collector_task is not None:
             first.append(self._collector_task)
         for task in first:
@@ -1250,6 +1257,17 @@ class KVEventBridge:
         st.writer = writer
         WRITER.labels(st.spec.node_id).set(1 if writer else 0)
 
+    async def _learn_capacity(self, st: _Stream) -> None:
+        """No capacity configured: ask the engine until it says, then announce the node with it
+        (memory is priced only for nodes whose capacity is known)."""
+        while True:
+            blocks = await fetch_capacity_blocks(st.spec.address, self._block_size)
+            if blocks:
+                st.info = replace(st.info, capacity_blocks=blocks)
+                log.info("node %s: its engine holds %d blocks of KV cache", st.spec.node_id, blocks)
+                return
+            await asyncio.sleep(CAPACITY_RETRY_S)
+
     async def _heartbeat_loop(self, st: _Stream) -> None:
         while True:
             if st.connected:
@@ -1269,9 +1287,10 @@ class KVEventBridge:
                                 st.dirty.set()
                         # a rewrite first: a node coming back must not go live with what it held
                         # before its restart (the flush wakes us when the rewrite is done)
-                        if not st.registered and not st.rewrite_all:
-                            await self._directory.register_node(st.info)
-                            st.registered = True
+                        if not st.registered and not st.rewrite_all or st.registered and st.announced != st.info:
+                            info = st.info
+                            await self._directory.register_node(info)
+                            st.registered, st.announced = True, info
                             st.withdraw = False
                 except Exception as exc:
                     if not isinstance(exc, DirectoryUnavailable):

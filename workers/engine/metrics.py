@@ -55,6 +55,13 @@ class _SchedulerCollector(Collector):
         for reason, n in sorted(c.finished.items()):
             success.add_metric([self._model, reason], n)
         yield success
+        info = GaugeMetricFamily(  # as vLLM exports it (an info gauge): how a bridge learns the cache's size
+            "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "enable_prefix_caching", "engine", "kv_cache_size_tokens", "num_gpu_blocks"],
+        )
+        size = s.cache.block_size
+        info.add_metric([str(size), "True", "0", str(stats.capacity_blocks * size), str(stats.capacity_blocks)], 1.0)
+        yield info
         blocks = GaugeMetricFamily("kvgate_engine_kv_blocks", "KV blocks by state.", labels=["model_name", "state"])
         blocks.add_metric([self._model, "capacity"], stats.capacity_blocks)
         blocks.add_metric([self._model, "cached"], stats.hashed_blocks)
