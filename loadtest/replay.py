@@ -203,7 +203,7 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
         from loadtest.real_vllm.fleet import VllmFleet, VllmOptions
         from loadtest.real_vllm.install import DEFAULT_VENV
 
-        vllm_fleet = VllmFleet(opts, workdir, VllmOptions(venv=args.vllm_venv or DEFAULT_VENV))
+        vllm_fleet = VllmFleet(opts, workdir, VllmOptions(venv=args.vllm_venv or DEFAULT_VENV, kv_blocks=args.kv_blocks))
         block_size = vllm_fleet.vllm.block_size
         fleet_cm: LocalFleet = vllm_fleet
         result["fleet"]["block_size"] = block_size

@@ -284,19 +284,3 @@ async def test_engine_restart(fleet: VllmFleet, directory: Directory) -> None:
     finally:
         await bridge.aclose(deregister=False)
 
-
-async def test_the_node_is_registered_with_the_kv_capacity_vllm_allocated(fleet: VllmFleet, directory: Directory) -> None:
-    """No capacity configured: the bridge registers the node with the cache vLLM says it allocated
-    (its start-up log: "KV cache size: N tokens"), in blocks of 32, so memory is priced for it."""
-    import re
-
-    log = fleet.engines[fleet.workers[0].node_id].log_path.read_text(errors="replace")
-    tokens = int(re.search(r"KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))  # type: ignore[union-attr]
-    node_id = fleet.workers[0].node_id
-    async with in_process(directory, fleet):
-        await until_live(directory, node_id)
-        deadline = time.monotonic() + 15
-        while (capacity := next(n.capacity_blocks for n in await directory.live_nodes() if n.node_id == node_id)) == 0:
-            assert time.monotonic() < deadline, "never learned"
-            await asyncio.sleep(0.05)
-    assert capacity == tokens // BLOCK_SIZE

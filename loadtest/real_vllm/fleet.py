@@ -14,6 +14,8 @@ Facts this depends on (vLLM 0.32, CPU backend):
 - The CPU attention backend takes block sizes that are multiples of 32 only (16 fails at start).
 - The KV-event PUB binds wildcard endpoints only (``tcp://*:P``); ``tcp://host:P`` would make it
   *connect* to a collector there. So the engines' event ports listen on every interface.
+- ``--num-gpu-blocks-override N`` sizes the cache in blocks (the CPU build too; its
+  ``cache_config_info`` then reports N); ``--max-model-len`` must then fit in N − 1 blocks.
 - ``POST /reset_prefix_cache`` exists with ``VLLM_SERVER_DEV_MODE=1``; it answers
   ``{"success": false}`` while requests still hold blocks.
 - Start-up takes ~40 s an engine. Each engine is a process group (API server + engine core),
@@ -61,6 +63,12 @@ class VllmOptions:
     kv_cache_gib: int = 1
     max_num_seqs: int = 8
     start_timeout_s: float = 300.0
+    kv_blocks: int | None = None  # None: the cache fills kv_cache_gib; N: exactly N blocks (memory binds)
+
+    @property
+    def model_len(self) -> int:
+        """vLLM refuses to start unless one request of ``--max-model-len`` fits the cache with a block to spare."""
+        return min(self.max_model_len, (self.kv_blocks - 1) * self.block_size) if self.kv_blocks else self.max_model_len
 
 
 def engine_command(vllm: Path, model_dir: Path, served_name: str, w: Worker, o: VllmOptions) -> list[str]:
@@ -76,8 +84,9 @@ def engine_command(vllm: Path, model_dir: Path, served_name: str, w: Worker, o: 
         str(vllm), "serve", str(model_dir), "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(w.port),
         "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager",
-        "--block-size", str(o.block_size), "--max-model-len", str(o.max_model_len),
+        "--block-size", str(o.block_size), "--max-model-len", str(o.model_len),
         "--max-num-seqs", str(o.max_num_seqs),
+        *(["--num-gpu-blocks-override", str(o.kv_blocks)] if o.kv_blocks else []),
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(events),
     ]
