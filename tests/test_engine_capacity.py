@@ -20,6 +20,7 @@ from directory_client import open_directory
 from directory_client.types import Directory
 from gateway.profile import load_profile
 from tests.conftest import free_port
+from tests.support.engines import engine_endpoint
 from tokenizer import PromptTokenizer
 from workers.bridge import EngineSpec, KVEventBridge
 from workers.engine.events import EventPublisher
@@ -73,6 +74,23 @@ def test_an_engine_that_does_not_say_gives_no_capacity(text: str) -> None:
 
 async def test_an_unreachable_engine_gives_no_capacity_and_no_error() -> None:
     assert await fetch_capacity_blocks(f"127.0.0.1:{free_port()}", 16, timeout_s=0.5) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        VLLM_032 + "x" * (9 << 20),  # a page no engine serves: not read past 8 MiB
+        VLLM_032.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="1e30"'),  # not a size
+        VLLM_032.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="inf"'),
+        "vllm:cache_config_info{kv_cache_size_tokens= garbage\n",  # not the exposition format
+    ],
+    ids=["huge-page", "absurd-size", "infinite", "malformed"],
+)
+async def test_a_hostile_metrics_page_gives_no_capacity_and_no_error(text: str) -> None:
+    """What the operator sees: the node registered without a capacity (memory not priced), the
+    bridge still running; never a capacity made of garbage."""
+    async with engine_endpoint("/metrics", text) as port:
+        assert await fetch_capacity_blocks(f"127.0.0.1:{port}", 16) is None
 
 
 @pytest.fixture

@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 VLLM_CACHE_INFO = "vllm:cache_config_info"
 SGLANG_MAX_TOKENS = "sglang:max_total_num_tokens"
+MAX_METRICS_BYTES = 8 << 20  # vLLM's /metrics is ~100 KB; more is not an engine's page, and is not read
+MAX_TOKENS = 1 << 40  # no engine's cache holds a trillion tokens: a larger figure is garbage, not a size
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
     value = labels.get(name, "")
     try:
         number = int(float(value))
-    except ValueError:  # "None", "" or garbage: not reported
+    except (ValueError, OverflowError):  # "None", "", "inf" or garbage: not reported
         return None
     return number if number > 0 else None
 
@@ -52,7 +54,7 @@ def kv_capacity_tokens(text: str) -> int | None:
             elif sample.name == SGLANG_MAX_TOKENS and sample.value > 0:
                 sglang_tokens += sample.value
     total = vllm_tokens or int(sglang_tokens)
-    return total or None
+    return total if 0 < total <= MAX_TOKENS else None
 
 
 async def fetch_capacity_blocks(address: str, block_size: int, *, timeout_s: float = 2.0) -> int | None:
@@ -62,8 +64,10 @@ async def fetch_capacity_blocks(address: str, block_size: int, *, timeout_s: flo
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             async with session.get(f"http://{address}/metrics") as resp:
                 resp.raise_for_status()
-                text = await resp.text()
-        tokens = kv_capacity_tokens(text)
+                body = await resp.content.read(MAX_METRICS_BYTES + 1)
+        if len(body) > MAX_METRICS_BYTES:
+            raise ValueError(f"/metrics is over {MAX_METRICS_BYTES} bytes")
+        tokens = kv_capacity_tokens(body.decode("utf-8", errors="replace"))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         log.debug("reading the KV capacity of %s failed: %r", address, e)
         return None
