@@ -81,7 +81,7 @@ async def test_an_unreachable_engine_gives_no_capacity_and_no_error() -> None:
     [
         VLLM_032 + "x" * (9 << 20),  # a page no engine serves: not read past 8 MiB
         VLLM_032.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="1e30"'),  # not a size
-        VLLM_032.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="inf"'),
+        VLLM_032.replace('kv_cache_size_tokens="1048576"', 'kv_cache_size_tokens="inf"').replace('"32768"', '"inf"'),
         "vllm:cache_config_info{kv_cache_size_tokens= garbage\n",  # not the exposition format
     ],
     ids=["huge-page", "absurd-size", "infinite", "malformed"],
