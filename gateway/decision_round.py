@@ -91,15 +91,16 @@ def answer_tokens(
     return max(1, min(budget, ceiling))
 
 
-def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: DirectoryView, now: float) -> float:
-    """How long the aggregated decision's prefill would delay splits arriving or answering on its node."""
+def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: DirectoryView, now: float, *, landed: bool = True) -> float:
+    """How long the aggregated decision's prefill would delay splits arriving or answering on its node
+    (``landed`` False: arriving only, whose first token it would delay)."""
     if not arrivals or decision.node is None:
         return 0.0
     i = next((i for i, nv in enumerate(view.nodes) if nv.node.node_id == decision.node.node_id), None)
     own = next((c for c in decision.candidates if c.node_id == decision.node.node_id), None)
     if i is None or own is None:
         return 0.0
-    return arrivals.blocking_s((view.nodes[i],), (own,), now).get(0, 0.0)
+    return arrivals.blocking_s((view.nodes[i],), (own,), now, landed=landed).get(0, 0.0)
 
 
 def decide_round(
@@ -144,6 +145,7 @@ def decide_round(
             answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
+            delays_first_token=blocked_s(arrivals, decision, view, now, landed=False) > 0,
             decode_serves_whole=whole_on_decode,
         )  # fmt: skip
         if aggregated_ttft is not None:

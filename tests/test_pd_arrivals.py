@@ -133,3 +133,16 @@ def test_serving_whole_where_splits_are_arriving_lets_a_split_past_the_tail_guar
     rnd = decide_round(policy, request(16_000), view, PROFILE, now=0.0, answer_tokens=1024)
     assert rnd.decision.prefill is not None, rnd.decision.reason  # serving whole would delay a first token too
     assert "runner-up aggregated" in rnd.decision.reason and "delays arriving splits" in rnd.decision.reason
+
+
+def test_splits_that_have_landed_and_are_answering_do_not_let_a_split_past_the_tail_guard() -> None:
+    # the same fleet, but the splits' KV landed 0.1 s ago: serving whole slows their tokens (priced),
+    # it delays no first token, so the tail guard holds the split back (it would lengthen the p99)
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=24), node(3, "decode", inflight=24)]
+    view = DirectoryView(tuple(fleet))
+    policy = warmed(make_policy("kvgate", link="rdma"), tail_s=0.5)
+    for d in ("d2", "d3"):
+        policy.pending_arrivals.add(d, at=9.9, blocks=1000, until=15.0)
+    rnd = decide_round(policy, request(16_000), view, PROFILE, now=10.0, answer_tokens=1024)
+    assert rnd.decision.prefill is None, rnd.decision.reason
+    assert "delays splits arriving or answering here" in rnd.decision.reason  # still paid in the ranking

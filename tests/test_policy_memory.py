@@ -116,4 +116,19 @@ def test_an_owner_whose_memory_is_full_of_running_requests_gets_a_copy_made(prof
     roomy = view(node(1, 512, held=1600, inflight=2, capacity=1600), node(2, 0, held=1600, capacity=1600))
     assert make_policy("kvgate").decide(request(), roomy, profile, now=0.0).node.node_id == "n1"
     assert make_policy("kvgate_nopull").decide(request(), full, profile, now=0.0).node.node_id == "n1"  # baseline as it was
-    assert MemoryPricing.crowding_s(node(1, 0, inflight=5, capacity=0), 512, 1.0) == 0.0  # capacity unknown: not priced
+    pricing = MemoryPricing(profile, BS, 1.0)
+    assert pricing.crowding_s(node(1, 0, inflight=5, capacity=0), 512, 1.0) == 0.0  # capacity unknown: not priced
+
+
+def test_a_node_with_free_memory_for_the_prompt_is_not_crowded_however_many_it_runs(profile) -> None:
+    """A decode node running many short answers: ``inflight`` requests the size of this prompt would
+    fill it, but the blocks it holds (which include every running request's) leave room for the
+    prompt, so nothing has to finish first. Room for the prompt only once the queued prefill has
+    taken its share."""
+    pricing = MemoryPricing(profile, BS, 1.0)
+    assert pricing.crowding_s(node(1, 0, held=1088, inflight=5, capacity=1600), 512, 1.0) == 0.0  # 512 free
+    assert pricing.crowding_s(node(1, 0, held=1089, inflight=5, capacity=1600), 512, 1.0) == 3.0  # 511 free: 3 beyond what fits
+    assert pricing.crowding_s(node(1, 0, held=1000, inflight=5, queued=100 * BS, capacity=1600), 512, 1.0) == 3.0
+    roomy = view(node(1, 0, held=600, inflight=20, capacity=1600), node(2, 0, held=1600, inflight=1, capacity=1600))
+    d = make_policy("kvgate", work_value=0).decide(request(), roomy, profile, now=0.0)
+    assert {c.node_id: c.queue_s for c in d.candidates}["n1"] < 1.0  # no saturation penalty

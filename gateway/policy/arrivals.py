@@ -92,6 +92,8 @@ class PendingArrivals:
         nodes: Sequence[NodeView],
         costs: Sequence[CandidateCost],
         now: float,
+        *,
+        landed: bool = True,
     ) -> dict[int, float]:
         """Candidate index → the delay its prefill would cause the splits arriving or answering there.
 
@@ -100,6 +102,7 @@ class PendingArrivals:
         a prompt longer than one budget leaves only in its last chunk. (Measured: a 15.6k-token
         prompt had 7.5k tokens left when a split's KV landed, and the split's first token came
         with that prompt's, 212 ms late.) A short prefill delays it by at most its one step.
+        ``landed`` False counts only the arrivals still on their way (whose first token it delays).
         """
         if not self._by_node:
             return {}
@@ -110,7 +113,7 @@ class PendingArrivals:
                 continue
             end = now + c.total_s
             start = end - c.prefill_s
-            delay = sum(end - max(a.at, now) for a in pending if a.at < end and a.until > start)
+            delay = sum(end - max(a.at, now) for a in pending if a.at < end and a.until > start and (landed or a.at > now))
             if delay > 0:
                 out[i] = delay
         return out

@@ -68,11 +68,18 @@ class MemoryPricing:
         over = new_blocks - free if free > 0 else new_blocks
         return survival, (over * self.block_value_s * turnover if over > 0 else 0.0)
 
-    @staticmethod
-    def crowding_s(nv: NodeView, prompt_blocks: int, penalty_s: float) -> float:
-        """Wait for a running request to finish when ``inflight`` requests of this size fill the node."""
+    def crowding_s(self, nv: NodeView, prompt_blocks: int, penalty_s: float) -> float:
+        """Wait for a running request to finish when ``inflight`` requests of this size fill the node.
+
+        Not when the node's free memory, after the prefill queued there, holds the prompt: the
+        blocks running requests use are among those it holds, so they cannot fill it then. (A decode
+        node of a disaggregated fleet runs many short answers; priced as if each were a 23k-token
+        document, it looked 2-3 s away while two thirds of its memory was free.)
+        """
         capacity, running = nv.node.capacity_blocks, nv.load.inflight
         if capacity <= 0 or running <= 0 or prompt_blocks <= 0:
+            return 0.0
+        if capacity - nv.total_blocks - -(-nv.load.prefill_tokens // self.block_size) >= prompt_blocks:
             return 0.0
         fits = max(capacity // prompt_blocks, 1)
         return penalty_s * (running - fits + 1) if running >= fits else 0.0
