@@ -37,7 +37,11 @@ def test_overhead_reports_every_target_and_the_prompt_sweep(tmp_path: Path) -> N
         assert data[target]["cpu_ms_per_request"] > 0
         assert data[target]["added_p50_ms"] == data[target]["p50_ms"] - data["envoy"]["p50_ms"]
     assert data["sglang"]["envoy_cpu_ms_per_request"] is None and data["envoy"]["envoy_cpu_ms_per_request"] > 0
-    assert data["routed_requests"] == 2 * (5 + 2 * 20)  # per kvgate target: warm-up + 2 × 20; none failed open
+    # per kvgate target: warm-up + 2 × 20, and each of the 8 chats once before; none failed open
+    assert data["histories_seen_before"] == 8
+    assert data["routed_requests"] == 2 * (5 + 2 * 20) + 8
+    for target in ("kvgate_ext_proc", "kvgate_ext_authz"):  # only continuing chats in the measured window
+        assert data[target]["first_sights"] == 0, data[target]
     assert set(data["ratios"]) >= {"kvgate_ext_authz_added_p50_over_sglang", "kvgate_ext_authz_cpu_over_its_envoy_cpu"} - (
         set() if data["sglang"]["added_p50_ms"] > 0 else {"kvgate_ext_authz_added_p50_over_sglang"}
     )
