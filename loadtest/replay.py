@@ -75,6 +75,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="disaggregated fleet (sim engines): P prefill and D decode engines, a pd-sidecar on each decode one")
     f.add_argument("--link", choices=("tcp", "rdma"), default="tcp",
                    help="with --roles: the link KV transfers are modelled (engines) and priced (kvgate) over")
+    f.add_argument("--integration", choices=("ext_proc", "ext_authz"), default="ext_proc",
+                   help="how Envoy asks kvgate serve (kvgate policies): ext_proc (gRPC, exact load) or ext_authz (HTTP)")
     f.add_argument("--directory", default="memory://", help="kvgate's directory: memory:// or redis://host:port/db")
     f.add_argument("--workdir", default=None, help="logs and configs (default: a temporary directory)")
     f.add_argument("--attach", default=None, help="send traffic to this URL instead of starting a fleet")
@@ -194,10 +196,12 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
     if roles and args.engine != "sim":
         raise ValueError("--roles runs simulated engines (for vLLM's NIXL connector see docs/disaggregated.md)")
     opts = FleetOptions(nodes=nodes, model=args.model, profile=args.profile, time_scale=args.time_scale,
-                        kv_blocks=args.kv_blocks, directory_url=args.directory, roles=roles, link=args.link)
+                        kv_blocks=args.kv_blocks, directory_url=args.directory, roles=roles, link=args.link,
+                        integration=args.integration)
     result["fleet"] = {"engine": args.engine, "nodes": nodes, "profile": args.profile, "time_scale": args.time_scale,
                        "kv_blocks": args.kv_blocks, "directory": args.directory, "workdir": str(workdir),
-                       "roles": args.roles or "all both", **({"link": args.link} if roles else {})}
+                       "roles": args.roles or "all both",
+                       "integration": args.integration, **({"link": args.link} if roles else {})}
     block_size = profile.block_size
     if args.engine == "vllm":
         from loadtest.real_vllm.fleet import VllmFleet, VllmOptions

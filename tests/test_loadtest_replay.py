@@ -48,6 +48,31 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
     assert "round_robin" in proc.stdout and "kvgate" in proc.stdout
 
 
+def test_replay_kvgate_over_ext_authz(tmp_path: Path) -> None:
+    """``--integration ext_authz``: Envoy asks kvgate over HTTP (its ext_proc server is off), and the
+    decisions still route: follow-up turns hit their history and kvgate's decision metric moved."""
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "loadtest", "replay",
+        "--workload", "chat", "--conversations", "3", "--turns", "2", "--rate", "4",
+        "--doc-tokens", "600", "900", "--think", "0.1", "0.2", "--max-tokens", "8",
+        "--nodes", "2", "--time-scale", "0.2", "--policies", "kvgate", "--integration", "ext_authz",
+        "--max-requests", "6", "--duration", "30", "--timeout", "30",
+        "--json", str(out), "--workdir", str(tmp_path / "wd"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["fleet"]["integration"] == "ext_authz"
+    s = data["policies"]["kvgate"]
+    assert s["requests"] == 6 and s["errors"] == 0, s["error_examples"]
+    assert s["hit_rate"] > 0.3
+    assert s["decision_p50_ms"] is not None  # kvgate decided every request (read from its /metrics)
+    config = (tmp_path / "wd" / "kvgate-kvgate.yaml").read_text()
+    assert "ext_authz_port" in config and "ext_proc_enabled: false" in config
+    assert "envoy.filters.http.ext_authz" in (tmp_path / "wd" / "envoy-kvgate.yaml").read_text()
+
+
 @pytest.mark.timeout(600)  # three gateways in turn in front of three engines and two sidecars
 def test_replay_a_disaggregated_fleet(tmp_path: Path) -> None:
     """``--roles 1:2``: n1 prefills only (never answers a request), n2/n3 answer behind their
