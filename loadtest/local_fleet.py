@@ -34,7 +34,9 @@ from gateway.profile import load_profile
 from loadtest.pd_fleet import PdFleet
 from loadtest.policies import check_prerequisites
 from loadtest.procs import ManagedProcess, envoy_binary, free_port, free_ports, python_module
-from loadtest.prom import counter_value
+from loadtest.prom import counter_value, histogram_sum_count
+
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 
 
 @dataclass(frozen=True)
@@ -198,6 +200,17 @@ class LocalFleet:
             status, text = http(w.url + "/metrics")
             out[w.node_id] = counter_value(text.decode(), "kvgate_engine_busy_seconds") if status == 200 else 0.0
         return out
+
+    def engine_ttft(self) -> tuple[float, float]:
+        """Seconds from arrival at an engine to its first token, summed over every engine, and the
+        requests counted (vLLM's TTFT histogram, which the simulated engines keep too): counters."""
+        total = count = 0.0
+        for w in self.workers:
+            status, text = http(w.url + "/metrics")
+            if status == 200:
+                s, c = histogram_sum_count(text.decode(), ENGINE_TTFT)
+                total, count = total + s, count + c
+        return total, count
 
     # -- gateways ----------------------------------------------------------------------------
 

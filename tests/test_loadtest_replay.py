@@ -15,7 +15,8 @@ from gateway.profile import load_profile
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "redundant_prefill_frac", "imbalance",
         "errors", "requests", "hit_rate_local", "hit_rate_pulled", "ttft_p90_ms", "ttft_by_turn",
-        "requests_per_s", "decision_p50_ms", "decision_p99_ms"}
+        "requests_per_s", "decision_p50_ms", "decision_p99_ms", "ttft_mean_ms", "engine_ttft_mean_ms",
+        "path_ttft_mean_ms"}
 
 
 def test_replay_smoke_two_policies(tmp_path: Path) -> None:
@@ -39,6 +40,9 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
         assert 0.0 <= s["hit_rate"] <= 1.0 and s["ttft_p50_ms"] > 0
         assert sum(s["per_node_requests"].values()) == 6
         assert set(s["ttft_by_turn"]) == {"1", "2"}
+        # the engines' own TTFT (their histograms) is part of the client's; the rest is the path
+        assert 0 < s["engine_ttft_mean_ms"] < s["ttft_mean_ms"], s
+        assert s["path_ttft_mean_ms"] == pytest.approx(s["ttft_mean_ms"] - s["engine_ttft_mean_ms"])
     # the second turn of each chat follows its history under kvgate
     assert data["policies"]["kvgate"]["hit_rate"] > 0.3
     assert data["policies"]["kvgate"]["decision_p50_ms"] is not None  # read from kvgate's /metrics
