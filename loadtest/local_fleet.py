@@ -5,7 +5,8 @@ then, per policy, the gateway that policy needs (``gateway_kinds.GATEWAYS``):
 
 - ``envoy``: plain Envoy balancing (``ROUND_ROBIN`` / ``LEAST_REQUEST``), no ext_proc;
 - ``kvgate``: ``kvgate serve`` with the fleet's nodes (embedded KV-event bridges, directory from
-  ``directory_url``) and Envoy with ext_proc in front;
+  ``directory_url``) and Envoy in front, calling it over ``integration``: ext_proc (gRPC) or
+  ext_authz (HTTP);
 - ``sglang``: the ``sglang-router`` package's router with ``--policy cache_aware``.
 
 Switching policy restarts the gateway (``kvgate serve`` reads its policy at start), the engines
@@ -29,10 +30,13 @@ from pathlib import Path
 import yaml
 
 from gateway.envoy_config import EnvoySettings, render_yaml
+from gateway.profile import load_profile
 from loadtest.pd_fleet import PdFleet
 from loadtest.policies import check_prerequisites
 from loadtest.procs import ManagedProcess, envoy_binary, free_port, free_ports, python_module
-from loadtest.prom import counter_value
+from loadtest.prom import counter_value, histogram_sum_count
+
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class FleetOptions:
     extra_worker_args: tuple[str, ...] = ()
     roles: tuple[int, int] | None = None  # (prefill, decode) engines: a disaggregated fleet (loadtest.pd_fleet)
     link: str = "tcp"  # the link KV transfers are modelled and priced over (with roles)
+    integration: str = "ext_proc"  # how Envoy asks kvgate: ext_proc (gRPC) or ext_authz (HTTP)
 
 
 @dataclass(frozen=True)
@@ -196,11 +201,27 @@ class LocalFleet:
             out[w.node_id] = counter_value(text.decode(), "kvgate_engine_busy_seconds") if status == 200 else 0.0
         return out
 
+    def engine_ttft(self) -> tuple[float, float]:
+        """Seconds from arrival at an engine to its first token, summed over every engine, and the
+        requests counted (vLLM's TTFT histogram, which the simulated engines keep too): counters."""
+        total = count = 0.0
+        for w in self.workers:
+            status, text = http(w.url + "/metrics")
+            if status == 200:
+                s, c = histogram_sum_count(text.decode(), ENGINE_TTFT)
+                total, count = total + s, count + c
+        return total, count
+
     # -- gateways ----------------------------------------------------------------------------
 
     def serve_settings(self) -> dict[str, object]:
         """Extra ``kvgate serve`` settings these engines need (block size, tokenizer); none here."""
         return {}
+
+    def capacity_blocks(self) -> int:
+        """Each engine's KV cache in blocks, as ``kvgate serve`` is told it (its memory terms price
+        evictions against it): ``--kv-blocks``, else the profile's capacity the engines start with."""
+        return self.options.kv_blocks or load_profile(self.options.profile).kv_capacity_blocks
 
     @contextmanager
     def gateway(
@@ -208,7 +229,7 @@ class LocalFleet:
     ) -> Iterator[Gateway]:
         """Bring up the gateway ``kind`` in front of the engines; stop it on exit."""
         if kind == "envoy":
-            gw = self._envoy(ext_proc=False, lb_policy=lb_policy, ext_proc_port=0, name=f"envoy-{lb_policy.lower()}")
+            gw = self._envoy(integration="none", lb_policy=lb_policy, kvgate_port=0, name=f"envoy-{lb_policy.lower()}")
         elif kind == "kvgate":
             gw = self._kvgate(policy, options or {})
         elif kind == "sglang":
@@ -221,16 +242,17 @@ class LocalFleet:
             for p in reversed(gw.procs):
                 p.stop()
 
-    def _envoy(self, *, ext_proc: bool, lb_policy: str, ext_proc_port: int, name: str) -> Gateway:
+    def _envoy(self, *, integration: str, lb_policy: str, kvgate_port: int, name: str) -> Gateway:
         listen = free_port()
         settings = EnvoySettings(
             fleet=[w.address for w in self.workers if w.role != "prefill"],  # a prefill node never serves a whole request
-            ext_proc_address=f"127.0.0.1:{ext_proc_port or 1}",
+            ext_proc_address=f"127.0.0.1:{kvgate_port or 1}",
+            ext_authz_address=f"127.0.0.1:{kvgate_port or 1}",
             listen_address=f"127.0.0.1:{listen}",
             admin_address=f"127.0.0.1:{free_port()}",
             max_body_bytes=self.options.max_body_bytes,
             message_timeout_ms=2000,
-            integration="ext_proc" if ext_proc else "none",
+            integration=integration,  # type: ignore[arg-type]
             lb_policy=lb_policy or "LEAST_REQUEST",
         )
         cfg = self.workdir / f"{name}.yaml"
@@ -250,10 +272,13 @@ class LocalFleet:
     def _kvgate(self, policy: str, options: dict[str, object]) -> Gateway:
         o = self.options
         ext_proc, admin = free_port(), free_port()
+        capacity = self.capacity_blocks()
+        authz = free_port() if o.integration == "ext_authz" else 0  # then ext_proc is off: one wire per run
         config = {
             "listen_host": "127.0.0.1",
             "ext_proc_port": ext_proc,
             "admin_port": admin,
+            **({"ext_authz_port": authz, "ext_proc_enabled": False} if authz else {}),
             "models": [o.model],
             "directory": {
                 "url": o.directory_url,
@@ -267,6 +292,7 @@ class LocalFleet:
                     "address": w.address,
                     "events_endpoint": f"tcp://127.0.0.1:{w.events_port}",
                     "replay_endpoint": f"tcp://127.0.0.1:{w.replay_port}",
+                    **({"capacity_blocks": capacity} if capacity else {}),
                     **({"role": w.role, "transfer_endpoint": f"127.0.0.1:{w.transfer_port}"} if w.transfer_port else {}),
                 }
                 for w in self.workers
@@ -287,7 +313,8 @@ class LocalFleet:
                 lambda: json.loads(http(f"http://127.0.0.1:{admin}/readyz")[1]).get("live_nodes") == n,
                 timeout_s=60, what=f"kvgate sees {n} live nodes",
             )
-            envoy = self._envoy(ext_proc=True, lb_policy="LEAST_REQUEST", ext_proc_port=ext_proc, name=f"envoy-{label}")
+            envoy = self._envoy(integration=o.integration, lb_policy="LEAST_REQUEST",
+                                kvgate_port=authz or ext_proc, name=f"envoy-{label}")
         except BaseException:
             serve.stop()
             raise

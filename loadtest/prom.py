@@ -36,6 +36,19 @@ def counter_value(text: str, name: str) -> float:
     return total
 
 
+def histogram_sum_count(text: str, name: str) -> tuple[float, float]:
+    """``(sum, count)`` of histogram ``name`` over all its label sets (0, 0 when absent)."""
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name == name:
+            for s in fam.samples:
+                if s.name == name + "_sum":
+                    total += s.value
+                elif s.name == name + "_count":
+                    count += s.value
+    return total, count
+
+
 def bucket_delta(after: Mapping[float, float], before: Mapping[float, float]) -> dict[float, float]:
     return {le: c - before.get(le, 0.0) for le, c in after.items()}
 

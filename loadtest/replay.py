@@ -75,6 +75,8 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="disaggregated fleet (sim engines): P prefill and D decode engines, a pd-sidecar on each decode one")
     f.add_argument("--link", choices=("tcp", "rdma"), default="tcp",
                    help="with --roles: the link KV transfers are modelled (engines) and priced (kvgate) over")
+    f.add_argument("--integration", choices=("ext_proc", "ext_authz"), default="ext_proc",
+                   help="how Envoy asks kvgate serve (kvgate policies): ext_proc (gRPC, exact load) or ext_authz (HTTP)")
     f.add_argument("--directory", default="memory://", help="kvgate's directory: memory:// or redis://host:port/db")
     f.add_argument("--workdir", default=None, help="logs and configs (default: a temporary directory)")
     f.add_argument("--attach", default=None, help="send traffic to this URL instead of starting a fleet")
@@ -109,13 +111,16 @@ class PolicyRun:
 def measure(
     workload: Workload, url: str, *, label: str, args: argparse.Namespace, tokenizer: PromptTokenizer,
     block_size: int, busy_before: dict[str, float], busy_after_fn, metrics_url: str | None, nodes: Sequence[str],
-    engine_counters=None,
+    engine_counters=None, engine_ttft=None,
 ) -> PolicyRun:
     """Run the workload once against ``url`` and turn the records into the policy's figures.
 
     ``engine_counters``: per-node counters the engines keep (real vLLM names no node in its
-    answers, so its requests and hits per node come from there)."""
+    answers, so its requests and hits per node come from there). ``engine_ttft``: the engines'
+    summed TTFT and request count, so the client's mean TTFT splits into the engines' part
+    (queue + prefill) and the request path's (client, proxies, routing decision)."""
     c0 = engine_counters() if engine_counters else {}
+    e0 = engine_ttft() if engine_ttft else None
     m0 = scrape(metrics_url)
     run = asyncio.run(
         run_workload(workload, url, max_requests=args.max_requests, duration_s=args.duration,
@@ -127,6 +132,8 @@ def measure(
     fill_seen_tokens(run.records, tokenizer, block_size=block_size)
     summary = summarize(run.records, wall_s=run.wall_s, busy_s=busy, nodes=nodes,
                         decision_ms=decision_ms(m0, m1) if metrics_url else None)
+    if e0 is not None:
+        summary.update(_ttft_split(run.records, e0, engine_ttft()))
     if engine_counters:
         per_node = _counter_deltas(c0, engine_counters())
         summary["per_node_engine"] = per_node
@@ -135,6 +142,17 @@ def measure(
             if summary["imbalance_basis"] == "requests":
                 summary["imbalance"] = imbalance({n: c["requests"] for n, c in per_node.items()})
     return PolicyRun(summary, ttft_samples_ms(run.records))
+
+
+def _ttft_split(records, before: tuple[float, float], after: tuple[float, float]) -> dict[str, float | None]:  # type: ignore[no-untyped-def]
+    """Mean TTFT at the client, at the engines (their histogram's growth), and the difference:
+    what the path in front of the engines adds to a request on average."""
+    ttfts = [r.ttft_s for r in records if r.ok and r.ttft_s is not None]
+    client = 1000.0 * sum(ttfts) / len(ttfts) if ttfts else None
+    n = after[1] - before[1]
+    engine = 1000.0 * (after[0] - before[0]) / n if n > 0 else None
+    path = client - engine if client is not None and engine is not None else None
+    return {"ttft_mean_ms": client, "engine_ttft_mean_ms": engine, "path_ttft_mean_ms": path}
 
 
 def _counter_deltas(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -194,10 +212,12 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
     if roles and args.engine != "sim":
         raise ValueError("--roles runs simulated engines (for vLLM's NIXL connector see docs/disaggregated.md)")
     opts = FleetOptions(nodes=nodes, model=args.model, profile=args.profile, time_scale=args.time_scale,
-                        kv_blocks=args.kv_blocks, directory_url=args.directory, roles=roles, link=args.link)
+                        kv_blocks=args.kv_blocks, directory_url=args.directory, roles=roles, link=args.link,
+                        integration=args.integration)
     result["fleet"] = {"engine": args.engine, "nodes": nodes, "profile": args.profile, "time_scale": args.time_scale,
                        "kv_blocks": args.kv_blocks, "directory": args.directory, "workdir": str(workdir),
-                       "roles": args.roles or "all both", **({"link": args.link} if roles else {})}
+                       "roles": args.roles or "all both",
+                       "integration": args.integration, **({"link": args.link} if roles else {})}
     block_size = profile.block_size
     if args.engine == "vllm":
         from loadtest.real_vllm.fleet import VllmFleet, VllmOptions
@@ -222,7 +242,7 @@ def replay(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any], 
                 run = measure(workload, gw.url, label=name, args=args, tokenizer=tokenizer,
                               block_size=block_size, busy_before=fleet.busy_seconds(),
                               busy_after_fn=fleet.busy_seconds, metrics_url=gw.metrics_url, nodes=fleet.node_ids,
-                              engine_counters=getattr(fleet, "engine_counters", None))
+                              engine_counters=getattr(fleet, "engine_counters", None), engine_ttft=fleet.engine_ttft)
             result["policies"][name] = run.summary
             samples[name] = run.samples_ms
     return result, samples

@@ -72,7 +72,7 @@ def simulate(args: argparse.Namespace, console: Console) -> tuple[dict[str, Any]
     policies = list(variants)
     scale = parse_scale(args.scale)
     profile = _profile(args)
-    tokenizer = None if args.workload in TOKEN_ID_WORKLOADS else PromptTokenizer()
+    tokenizer = None if args.workload in TOKEN_ID_WORKLOADS and not args.as_text else PromptTokenizer()
     workload = build_workload(args, tokenizer)
     if tokenizer is None:
         tokenizer = PromptTokenizer()  # replies still decode to text (unused by one-turn trace sessions)

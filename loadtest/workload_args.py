@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from loadtest.workloads.as_text import as_text
 from loadtest.workloads.base import Workload
 from loadtest.workloads.chat import chat_workload
 from loadtest.workloads.memory_bound import agentic_workload, memchat_workload
@@ -26,6 +27,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "default 4), agents (agentic, default 2) or sessions (mixed, default 6)")
     g.add_argument("--sessions", type=int, default=None,
                    help="memchat: conversations (default 3000); agentic: agents (default 2000); mixed: sessions (default 400)")
+    g.add_argument("--as-text", action="store_true",
+                   help="memchat, agentic: send every prompt as chat text (one word a token) rather than token IDs, "
+                        "so text-only routers (sglang) run the same sessions")
     g.add_argument("--max-tokens", type=int, default=96, help="reply budget per request (chat, shared-prefix)")
     g.add_argument("--conversations", type=int, default=32, help="chat: number of conversations")
     g.add_argument("--turns", type=int, default=5, help="chat: turns per conversation")
@@ -47,7 +51,12 @@ def build_workload(args: argparse.Namespace, tokenizer: PromptTokenizer | None) 
         make = memchat_workload if args.workload == "memchat" else agentic_workload
         count = {"conversations" if args.workload == "memchat" else "agents": args.sessions} if args.sessions else {}
         rate = {"rate_per_s": args.rate} if args.rate else {}
-        return make(model=args.model, max_tokens=args.max_tokens, seed=args.seed, **count, **rate)
+        built = make(model=args.model, max_tokens=args.max_tokens, seed=args.seed, **count, **rate)
+        if not getattr(args, "as_text", False):
+            return built
+        if tokenizer is None:
+            raise ValueError("--as-text renders prompts with the tokenizer's vocabulary: load it")
+        return as_text(built, tokenizer)
     if args.workload == "mixed":
         sized = {"sessions": args.sessions} if args.sessions else {}
         return mixed_workload(model=args.model, seed=args.seed, **sized, **({"rate_per_s": args.rate} if args.rate else {}))

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from gateway.profile import load_profile
+
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "redundant_prefill_frac", "imbalance",
         "errors", "requests", "hit_rate_local", "hit_rate_pulled", "ttft_p90_ms", "ttft_by_turn",
-        "requests_per_s", "decision_p50_ms", "decision_p99_ms"}
+        "requests_per_s", "decision_p50_ms", "decision_p99_ms", "ttft_mean_ms", "engine_ttft_mean_ms",
+        "path_ttft_mean_ms"}
 
 
 def test_replay_smoke_two_policies(tmp_path: Path) -> None:
@@ -37,6 +40,9 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
         assert 0.0 <= s["hit_rate"] <= 1.0 and s["ttft_p50_ms"] > 0
         assert sum(s["per_node_requests"].values()) == 6
         assert set(s["ttft_by_turn"]) == {"1", "2"}
+        # the engines' own TTFT (their histograms) is part of the client's; the rest is the path
+        assert 0 < s["engine_ttft_mean_ms"] < s["ttft_mean_ms"], s
+        assert s["path_ttft_mean_ms"] == pytest.approx(s["ttft_mean_ms"] - s["engine_ttft_mean_ms"])
     # the second turn of each chat follows its history under kvgate
     assert data["policies"]["kvgate"]["hit_rate"] > 0.3
     assert data["policies"]["kvgate"]["decision_p50_ms"] is not None  # read from kvgate's /metrics
@@ -46,6 +52,33 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
         assert (report / png).stat().st_size > 1000
         assert f'src="{png}"' in html
     assert "round_robin" in proc.stdout and "kvgate" in proc.stdout
+
+
+def test_replay_kvgate_over_ext_authz(tmp_path: Path) -> None:
+    """``--integration ext_authz``: Envoy asks kvgate over HTTP (its ext_proc server is off), and the
+    decisions still route: follow-up turns hit their history and kvgate's decision metric moved."""
+    out = tmp_path / "r.json"
+    cmd = [
+        sys.executable, "-m", "gateway.cli", "loadtest", "replay",
+        "--workload", "chat", "--conversations", "3", "--turns", "2", "--rate", "4",
+        "--doc-tokens", "600", "900", "--think", "0.1", "0.2", "--max-tokens", "8",
+        "--nodes", "2", "--time-scale", "0.2", "--policies", "kvgate", "--integration", "ext_authz",
+        "--max-requests", "6", "--duration", "30", "--timeout", "30",
+        "--json", str(out), "--workdir", str(tmp_path / "wd"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["fleet"]["integration"] == "ext_authz"
+    s = data["policies"]["kvgate"]
+    assert s["requests"] == 6 and s["errors"] == 0, s["error_examples"]
+    assert s["hit_rate"] > 0.3
+    assert s["decision_p50_ms"] is not None  # kvgate decided every request (read from its /metrics)
+    config = (tmp_path / "wd" / "kvgate-kvgate.yaml").read_text()
+    assert "ext_authz_port" in config and "ext_proc_enabled: false" in config
+    capacity = load_profile("llama-3.1-8b-h100").kv_capacity_blocks  # the engines' KV cache, priced per node
+    assert config.count(f"capacity_blocks: {capacity}") == 2
+    assert "envoy.filters.http.ext_authz" in (tmp_path / "wd" / "envoy-kvgate.yaml").read_text()
 
 
 @pytest.mark.timeout(600)  # three gateways in turn in front of three engines and two sidecars

@@ -187,3 +187,42 @@ def test_mixed_workload_mixes_documents_writers_and_chats() -> None:
         w.sessions[0].request(1, []).prompt_ids.tolist()
     with pytest.raises(ValueError, match="shares"):
         mixed_workload(shares=(0, 0, 0))
+
+
+def test_agentic_as_text_is_the_same_token_stream_in_chat_messages(tok: PromptTokenizer) -> None:
+    """Sent as text, an agent's turn tokenizes to its token-ID prompt's length plus the template's
+    tokens (one a user message, BOS and the generation prompt); each turn extends the last one's prefix;
+    agents behind one system prompt share exactly its tokens, and others share nothing."""
+    from loadtest.workloads.as_text import as_text
+    from loadtest.workloads.memory_bound import SEGMENT_TOKENS, agentic_workload
+
+    ids_w = agentic_workload(agents=12, prompts=3, prompt_tokens=(1000, 1500), task_tokens=(100, 200),
+                             steps=(3, 4), step_tokens=(20, 60), seed=5)
+    text_w = as_text(ids_w, tok)
+    assert not text_w.token_id_prompts and ids_w.token_id_prompts
+    assert [s.session_id for s in text_w.sessions] == [s.session_id for s in ids_w.sessions]
+    tokens: dict[str, list[np.ndarray]] = {}
+    for ids_s, text_s in zip(ids_w.sessions, text_w.sessions, strict=True):
+        assert text_s.start_s == ids_s.start_s and text_s.turns == ids_s.turns
+        for turn in range(1, ids_s.turns + 1):
+            spec = text_s.request(turn, [])
+            assert spec.prompt_ids is None and spec.path == "/v1/chat/completions"
+            got = tok.tokenize_body(spec.path, spec.body).token_ids
+            users = sum(m["role"] == "user" for m in spec.body["messages"])  # each behind <｜User｜>
+            assert len(got) == len(ids_s.request(turn, []).prompt_ids) + users + 2  # + BOS, <｜Assistant｜>
+            tokens.setdefault(ids_s.session_id, []).append(got)
+        turns = tokens[ids_s.session_id]
+        for a, b in zip(turns, turns[1:]):
+            assert np.array_equal(a[:-1], b[: len(a) - 1])  # all but the generation prompt
+    by_prompt: dict[tuple[int, ...], list[str]] = {}
+    for s in ids_w.sessions:
+        by_prompt.setdefault(s.segments[: s.shared_segments], []).append(s.session_id)
+    groups = [g for g in by_prompt.values() if len(g) > 1]
+    assert groups and len(by_prompt) > 1
+    first = {sid: t[0] for sid, t in tokens.items()}
+    for shared, group in by_prompt.items():
+        n = len(shared) * SEGMENT_TOKENS + 1  # BOS + the system prompt
+        for sid in group[1:]:
+            assert np.array_equal(first[sid][:n], first[group[0]][:n])
+        others = [sid for g in by_prompt.values() if g is not group for sid in g]
+        assert all(not np.array_equal(first[sid][1:17], first[group[0]][1:17]) for sid in others)

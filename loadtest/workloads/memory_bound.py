@@ -56,6 +56,7 @@ class StreamSession:
     pauses: tuple[float, ...]  # pauses[i] precedes turn i+2
     model: str
     max_tokens: int
+    shared_segments: int = 0  # how many of ``segments`` other sessions share (a system prompt)
 
     @property
     def turns(self) -> int:
@@ -145,7 +146,7 @@ def memchat_workload(
         pauses[revisit] = rng.uniform(revisit_s[0], revisit_s[1], size=int(revisit.sum()))
         sessions.append(StreamSession(
             f"memchat-{c:05d}", starts[c], _stream(system, lengths, ids), tuple(int(x) for x in lengths),
-            tuple(float(p) for p in pauses), model, max_tokens,
+            tuple(float(p) for p in pauses), model, max_tokens, len(system),
         ))
     peak = live_tokens_peak(sessions)
     desc = (
@@ -193,7 +194,7 @@ def agentic_workload(
         pauses = rng.uniform(tool_s[0], tool_s[1], size=n_steps - 1)
         sessions.append(StreamSession(
             f"agent-{a:05d}", starts[a], _stream(shared, lengths, ids), tuple(int(x) for x in lengths),
-            tuple(float(p) for p in pauses), model, max_tokens,
+            tuple(float(p) for p in pauses), model, max_tokens, len(shared),
         ))
     share = np.bincount(picks, minlength=prompts) / agents
     desc = (
