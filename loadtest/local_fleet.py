@@ -30,7 +30,6 @@ from pathlib import Path
 import yaml
 
 from gateway.envoy_config import EnvoySettings, render_yaml
-from gateway.profile import load_profile
 from loadtest.pd_fleet import PdFleet
 from loadtest.policies import check_prerequisites
 from loadtest.procs import ManagedProcess, envoy_binary, free_port, free_ports, python_module
@@ -218,11 +217,6 @@ class LocalFleet:
         """Extra ``kvgate serve`` settings these engines need (block size, tokenizer); none here."""
         return {}
 
-    def capacity_blocks(self) -> int:
-        """Each engine's KV cache in blocks, as ``kvgate serve`` is told it (its memory terms price
-        evictions against it): ``--kv-blocks``, else the profile's capacity the engines start with."""
-        return self.options.kv_blocks or load_profile(self.options.profile).kv_capacity_blocks
-
     @contextmanager
     def gateway(
         self, kind: str, *, lb_policy: str = "", policy: str = "", options: dict[str, object] | None = None
@@ -272,7 +266,6 @@ class LocalFleet:
     def _kvgate(self, policy: str, options: dict[str, object]) -> Gateway:
         o = self.options
         ext_proc, admin = free_port(), free_port()
-        capacity = self.capacity_blocks()
         authz = free_port() if o.integration == "ext_authz" else 0  # then ext_proc is off: one wire per run
         config = {
             "listen_host": "127.0.0.1",
@@ -292,7 +285,6 @@ class LocalFleet:
                     "address": w.address,
                     "events_endpoint": f"tcp://127.0.0.1:{w.events_port}",
                     "replay_endpoint": f"tcp://127.0.0.1:{w.replay_port}",
-                    **({"capacity_blocks": capacity} if capacity else {}),
                     **({"role": w.role, "transfer_endpoint": f"127.0.0.1:{w.transfer_port}"} if w.transfer_port else {}),
                 }
                 for w in self.workers

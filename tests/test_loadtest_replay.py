@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from gateway.profile import load_profile
-
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "redundant_prefill_frac", "imbalance",
         "errors", "requests", "hit_rate_local", "hit_rate_pulled", "ttft_p90_ms", "ttft_by_turn",
@@ -76,8 +74,6 @@ def test_replay_kvgate_over_ext_authz(tmp_path: Path) -> None:
     assert s["decision_p50_ms"] is not None  # kvgate decided every request (read from its /metrics)
     config = (tmp_path / "wd" / "kvgate-kvgate.yaml").read_text()
     assert "ext_authz_port" in config and "ext_proc_enabled: false" in config
-    capacity = load_profile("llama-3.1-8b-h100").kv_capacity_blocks  # the engines' KV cache, priced per node
-    assert config.count(f"capacity_blocks: {capacity}") == 2
     assert "envoy.filters.http.ext_authz" in (tmp_path / "wd" / "envoy-kvgate.yaml").read_text()
 
 

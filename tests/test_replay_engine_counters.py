@@ -7,7 +7,7 @@ figures in its report (docs/real-vllm.md)."""
 
 from __future__ import annotations
 
-from loadtest.real_vllm.fleet import VLLM_COUNTERS, gpu_blocks, sample_sums
+from loadtest.real_vllm.fleet import VLLM_COUNTERS, sample_sums
 from loadtest.replay import _counter_deltas
 
 VLLM_METRICS = """\
@@ -49,13 +49,3 @@ def test_a_policy_run_gets_each_nodes_growth_and_hit_rate() -> None:
                        "hit_rate": 1.0}  # fmt: skip
     assert d["n2"]["requests"] == 5.0 and d["n2"]["hit_rate"] == 0.0  # a node that looked nothing up
 
-
-def test_the_kv_cache_size_kvgate_is_told_comes_from_vllms_cache_config() -> None:
-    info = (
-        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig\n"
-        "# TYPE vllm:cache_config_info gauge\n"
-        'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="1724",prefix_caching_hash_algo="sha256"} 1.0\n'
-    )
-    assert gpu_blocks(VLLM_METRICS + info) == 1724
-    assert gpu_blocks(VLLM_METRICS) == 0  # not reported: kvgate is told nothing and prices no memory
-    assert gpu_blocks(info.replace('num_gpu_blocks="1724"', 'num_gpu_blocks="None"')) == 0

@@ -55,16 +55,6 @@ def sample_sums(text: str, names: Iterable[str]) -> dict[str, float]:
     return out
 
 
-def gpu_blocks(text: str) -> int:
-    """The KV cache size in blocks from vLLM's ``vllm:cache_config_info{num_gpu_blocks}`` (0: absent)."""
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            value = sample.labels.get("num_gpu_blocks", "") if sample.name == "vllm:cache_config_info" else ""
-            if value.isdigit():
-                return int(value)
-    return 0
-
-
 @dataclass(frozen=True)
 class VllmOptions:
     venv: Path = DEFAULT_VENV
@@ -182,11 +172,6 @@ class VllmFleet(LocalFleet):
                 sums = sample_sums(text.decode(), VLLM_COUNTERS.values())
                 out[w.node_id] = {k: sums[name] for k, name in VLLM_COUNTERS.items()}
         return out
-
-    def capacity_blocks(self) -> int:
-        """The smallest engine's KV cache in blocks as vLLM reports it (0 when none says: unpriced)."""
-        sizes = [gpu_blocks(http(w.url + "/metrics")[1].decode()) for w in self.workers]
-        return min(sizes) if sizes and all(sizes) else 0
 
     def serve_settings(self) -> dict[str, object]:
         return {"block_size": self.vllm.block_size, "tokenizer": {"source": str(self.model_dir)}, **self.serve_extra}
