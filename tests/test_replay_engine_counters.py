@@ -48,4 +48,3 @@ def test_a_policy_run_gets_each_nodes_growth_and_hit_rate() -> None:
     assert d["n1"] == {"requests": 10.0, "hit_tokens": 3000.0, "query_tokens": 3000.0, "prefill_s": 3.5, "decode_s": 6.5,
                        "hit_rate": 1.0}  # fmt: skip
     assert d["n2"]["requests"] == 5.0 and d["n2"]["hit_rate"] == 0.0  # a node that looked nothing up
-

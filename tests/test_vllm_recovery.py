@@ -283,4 +283,3 @@ async def test_engine_restart(fleet: VllmFleet, directory: Directory) -> None:
               f"it was healthy ({took:.2f} s after its blocks were verified)")  # fmt: skip
     finally:
         await bridge.aclose(deregister=False)
-
