@@ -153,6 +153,7 @@ class RedisDirectoryBase(ABC):
         self.sampler = KeySampler(index_stride)
         self._registry = f"{{{key_prefix}}}:registry"
         self._config = f"{{{key_prefix}}}:config"
+        self._draining_key = f"{{{key_prefix}}}:draining"
         self._ttl_ms = max(1, int(heartbeat_ttl_s * 1000))
         self._retention_ms = int(dead_node_retention_s * 1000)
         self._keep_ms = self._ttl_ms + self._retention_ms
@@ -264,7 +265,7 @@ class RedisDirectoryBase(ABC):
         async with self._config_lock:  # a burst of first calls: one checks, the rest wait
             if self._config_checked:
                 return
-            async with self._io("config check"):
+            async with self._io("config check"), self._on_key(self._config):
                 stride = str(self.sampler.stride).encode()
                 await self._client.hsetnx(self._config, "stride", stride)
                 stored = await self._client.hget(self._config, "stride")
@@ -365,8 +366,9 @@ class RedisDirectoryBase(ABC):
     async def clear_node(self, node_id: str) -> None:
         check_node_id(node_id)
         await self._check_config()
-        async with self._io("clear_node"):
-            await self._client.delete(self._keys(node_id).blocks)
+        key = self._keys(node_id).blocks
+        async with self._io("clear_node"), self._on_key(key):
+            await self._client.delete(key)
 
     # -- one writer per node (P:{node}:writer holds the owner id, with a TTL) ---------------------
 
@@ -387,8 +389,9 @@ class RedisDirectoryBase(ABC):
 
     async def writer(self, node_id: str) -> str | None:
         check_node_id(node_id)
-        async with self._io("writer"):
-            owner = await self._client.get(self._lease_key(node_id))
+        key = self._lease_key(node_id)
+        async with self._io("writer"), self._on_key(key):
+            owner = await self._client.get(key)
         return owner.decode() if isinstance(owner, bytes) else owner
 
     async def clear_if_unwritten(self, node_id: str) -> bool:
@@ -413,7 +416,7 @@ class RedisDirectoryBase(ABC):
         await self._check_config()
         nk = self._keys(node_id)
         staging = nk.blocks + ":next"
-        async with self._io("replace_node"):
+        async with self._io("replace_node"), self._on_key(staging):
             await self._client.delete(staging)
         for tier, keys in blocks.items():
             kept = self.sampler.select(keys)
@@ -429,6 +432,7 @@ class RedisDirectoryBase(ABC):
         await self._check_config()
         async with self._io("retire_node"):
             await self._eval("retire", (self._keys(node_id).meta,), ())
+        async with self._io("retire_node"), self._on_key(self._registry):  # the registry may live on another shard
             await self._client.zadd(self._registry, {node_id: 0}, xx=True)
         self._live_ids_changed()
 
@@ -566,23 +570,24 @@ class RedisDirectoryBase(ABC):
         check_node_id(node_id)
         if limit <= 0:
             return []
-        async with self._io("hot_prefixes"):
-            rows = await self._client.zrevrange(f"{self.key_prefix}:{{{node_id}}}:hot", 0, limit - 1, withscores=True)
+        key = f"{self.key_prefix}:{{{node_id}}}:hot"
+        async with self._io("hot_prefixes"), self._on_key(key):
+            rows = await self._client.zrevrange(key, 0, limit - 1, withscores=True)
         out = [hot_prefix(bytes(m), float(at)) for m, at in rows]
         return [h for h in out if h is not None]
 
     async def set_draining(self, node_id: str, ttl_s: float) -> None:
         check_node_id(node_id)
-        key = f"{{{self.key_prefix}}}:draining"
-        async with self._io("set_draining"):
+        key = self._draining_key
+        async with self._io("set_draining"), self._on_key(key):
             if ttl_s > 0:
                 await self._client.zadd(key, {node_id: time.time() + ttl_s})
             else:
                 await self._client.zrem(key, node_id)
 
     async def draining(self) -> frozenset[str]:
-        async with self._io("draining"):
-            rows = await self._client.zrangebyscore(f"{{{self.key_prefix}}}:draining", time.time(), "+inf")
+        async with self._io("draining"), self._on_key(self._draining_key):
+            rows = await self._client.zrangebyscore(self._draining_key, time.time(), "+inf")
         return frozenset(r.decode() if isinstance(r, bytes) else r for r in rows)
 
     async def aclose(self) -> None:

@@ -453,6 +453,37 @@ async def test_a_reserve_refused_for_a_down_shard_is_not_given_back_for_minutes(
             await d.aclose()
 
 
+async def test_plain_calls_on_a_dead_shard_are_refused_once_it_is_known_down() -> None:
+    """The calls that are not scripts (a node's writer lease, its hot prefixes, the draining set)
+    went to a dead primary every time. Before: each such call reached the dead shard again (the
+    cluster client then drops and rebuilds every shard's connections), and none of them marked the
+    shard down. What the caller sees now: the first call fails open and marks the shard down, the
+    next are refused at once ("ShardDown") until the background probe finds it answering, and calls
+    on live shards go on."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix="plain", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes("plain", servers)
+            dead = next(s for s in servers if s.port != registry_port)
+            on_dead, on_live = nodes[dead.port][0], nodes[registry_port][0]
+            await _register(d, [on_dead, on_live])
+            dead.kill()
+            with pytest.raises(DirectoryUnavailable) as first:
+                await d.writer(on_dead)
+            assert "ShardDown" not in str(first.value)  # this one was sent, and found the shard dead
+            assert gauge("kvgate_directory_shards_down") == 1
+            for call in (lambda: d.writer(on_dead), lambda: d.hot_prefixes(on_dead, 4), lambda: d.clear_node(on_dead)):
+                with pytest.raises(DirectoryUnavailable, match="ShardDown"):
+                    await call()
+            assert await d.writer(on_live) is None  # the live shards answer
+            assert await d.draining() == frozenset()
+            assert not d.breaker.is_open
+        finally:
+            await d.aclose()
+
+
 @pytest.mark.parametrize("seen_down_first", [False, True])
 async def test_static_nodes_stay_alive_while_the_registry_shard_is_down(seen_down_first: bool) -> None:
     """The registry's shard dies; the static fleet's keeper goes on registering its healthy nodes
