@@ -38,18 +38,18 @@ VLLM_032 = (  # vLLM 0.32 (CPU build, 1 GiB of KV space, block size 32), labels 
 )
 
 
-def test_vllm_says_its_cache_size_in_tokens() -> None:
-    assert kv_capacity_tokens(VLLM_032) == 1_048_576
+def test_vllm_says_its_cache_size_in_tokens_and_one_block_of_it_is_its_null_block() -> None:
+    assert kv_capacity_tokens(VLLM_032) == 1_048_576 - 32
 
 
 def test_older_vllm_without_a_token_count_is_read_by_blocks_times_block_size() -> None:
     text = VLLM_032.replace('kv_cache_size_tokens="1048576",', "")
-    assert kv_capacity_tokens(text) == 32768 * 32
+    assert kv_capacity_tokens(text) == (32768 - 1) * 32
 
 
 def test_a_data_parallel_server_adds_its_engines_caches() -> None:
     second = VLLM_032.splitlines()[-1].replace('engine="0"', 'engine="1"')
-    assert kv_capacity_tokens(VLLM_032 + second + "\n") == 2 * 1_048_576
+    assert kv_capacity_tokens(VLLM_032 + second + "\n") == 2 * (1_048_576 - 32)  # a null block each
 
 
 def test_sglang_says_it_in_max_total_num_tokens() -> None:
@@ -127,7 +127,7 @@ async def registered_capacity(directory: Directory, node_id: str, want: int, tim
     return seen
 
 
-@pytest.mark.parametrize("configured, expected", [(0, 300), (120, 120)], ids=["learned", "configured-wins"])
+@pytest.mark.parametrize("configured, expected", [(0, 299), (120, 120)], ids=["learned", "configured-wins"])
 async def test_the_bridge_registers_the_capacity_the_engine_reports(
     directory: Directory, sim_engine: tuple[str, Engine, EventPublisher], configured: int, expected: int
 ) -> None:

@@ -6,7 +6,8 @@ cache, while both engines say it themselves:
 
 - vLLM: ``vllm:cache_config_info``, an info gauge whose labels carry the cache config:
   ``kv_cache_size_tokens`` (newer releases) or ``num_gpu_blocks`` × ``block_size`` (the CPU build
-  reports its KV space under ``num_gpu_blocks`` too). A data-parallel server exports one series per
+  reports its KV space under ``num_gpu_blocks`` too). One of those blocks is vLLM's null block,
+  never given to a request, so a block less holds KV. A data-parallel server exports one series per
   engine (``engine`` label); their caches add up.
 - SGLang: ``sglang:max_total_num_tokens``, a gauge in tokens.
 
@@ -47,9 +48,11 @@ def kv_capacity_tokens(text: str) -> int | None:
         for sample in family.samples:
             if sample.name == VLLM_CACHE_INFO:
                 tokens = _int_label(sample.labels, "kv_cache_size_tokens")
+                blocks, size = _int_label(sample.labels, "num_gpu_blocks"), _int_label(sample.labels, "block_size")
                 if tokens is None:
-                    blocks, size = _int_label(sample.labels, "num_gpu_blocks"), _int_label(sample.labels, "block_size")
                     tokens = blocks * size if blocks and size else None
+                if tokens and size and tokens > size:
+                    tokens -= size  # the null block
                 vllm_tokens += tokens or 0
             elif sample.name == SGLANG_MAX_TOKENS and sample.value > 0:
                 sglang_tokens += sample.value

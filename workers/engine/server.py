@@ -32,7 +32,7 @@ from workers.transfer import SlotTable, TransferAgent, make_backend
 from workers.transfer.auth import PeerAuth
 from workers.engine.disagg import remote_decode_params, remote_prefill_source, wants_remote_decode
 from workers.engine.events import EventPublisher
-from workers.engine.kv_cache import CacheBusy, PrefixCache, root_hash
+from workers.engine.kv_cache import NULL_BLOCKS, CacheBusy, PrefixCache, root_hash
 from workers.engine.metrics import EngineMetrics
 from workers.engine.openai_api import (
     DEFAULT_MAX_TOKENS,
@@ -89,8 +89,8 @@ class EngineConfig:
 
     @property
     def effective_max_model_len(self) -> int:
-        """No request may need more KV than the whole cache holds, or it could never run."""
-        cap = self.capacity_blocks * self.profile.block_size
+        """No request may need more KV than the cache holds (its null block aside), or it could never run."""
+        cap = (self.capacity_blocks - NULL_BLOCKS) * self.profile.block_size
         return min(self.max_model_len or self.profile.max_model_len, cap)
 
 
@@ -103,7 +103,7 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.sampler = ReplySampler.from_encoder(lambda s: tokenizer.encode_text(s, add_special_tokens=False))
-        self.cache = PrefixCache(config.capacity_blocks, config.profile.block_size)
+        self.cache = PrefixCache(config.capacity_blocks, config.profile.block_size, null_blocks=NULL_BLOCKS)
         self.scheduler = Scheduler(
             config.profile,
             self.cache,
