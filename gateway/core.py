@@ -70,6 +70,7 @@ Hold = Literal["until_release", "estimate"]
 """How long a routed request's load is held: until ``release`` (the response end is seen), or
 for the decision's estimate of its service time (it never is)."""
 
+MAX_MODEL_NAME_CHARS = 1024  # longer names are refused even without a `models` allow-list: no engine serves one
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
@@ -249,6 +250,8 @@ class RoutingCore:
         if not isinstance(req, dict):
             return _reject(400, "request body must be a JSON object")
         model = req.get("model")
+        if isinstance(model, str) and len(model) > MAX_MODEL_NAME_CHARS:  # kept in hot notes and the decision log
+            return _reject(404, f"The model `{model[:64]}…` does not exist (no name longer than {MAX_MODEL_NAME_CHARS} characters does).")
         if isinstance(model, str) and lim.models and model not in lim.models:
             return _reject(404, f"The model `{model}` does not exist.")
         t1 = time.perf_counter()
