@@ -55,6 +55,7 @@ class SidecarMetrics:
 
 
 PROTOCOLS = ("nixl", "sglang")
+DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 MAX_PREFILL_ANSWER_BYTES = 1 << 20  # a prefill's answer (one token, kv_transfer_params) is ~1 KiB
 
 
@@ -67,7 +68,6 @@ async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if len(body) > limit:
             raise ValueError(f"answer over {limit} bytes")
     return bytes(body)
-DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
 
 
 def sglang_bootstrap(prefiller: str, bootstrap_port: int) -> dict[str, Any]:
