@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from tests.conftest import free_port
-from tests.support.procs import python_module, wait_for_port
+from tests.support.procs import python_module, rss_bytes, wait_for_port
 from tests.support.transfer import SECRET, secret_file, signed
 from tests.test_transfer_mooncake import health, in_process_owner, puller
 from workers.transfer import TransferError
@@ -246,11 +246,6 @@ async def test_with_a_mooncake_backend_the_data_port_still_serves_anyone_and_say
         await owner.close()
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 def test_a_strangers_body_is_refused_before_it_is_read_and_never_held(tmp_path) -> None:
     """Before: the agent read a request's whole body (up to 16 MiB) before checking its signature,
     with no deadline: 8 strangers each sending 15 MiB of a 16 MiB body (and never the rest) grew
@@ -266,7 +261,7 @@ def test_a_strangers_body_is_refused_before_it_is_read_and_never_held(tmp_path) 
     held: list[socket.socket] = []
     try:
         wait_for_port(port, proc=agent.popen)
-        before = _rss_bytes(agent.popen.pid)
+        before = rss_bytes(agent.popen.pid)
         head = b"POST /kv/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (16 << 20)
         answers = []
         for _ in range(8):
@@ -280,7 +275,7 @@ def test_a_strangers_body_is_refused_before_it_is_read_and_never_held(tmp_path) 
             except OSError:  # the agent may have stopped reading a refused request's body
                 pass
         time.sleep(0.5)
-        grown = _rss_bytes(agent.popen.pid) - before
+        grown = rss_bytes(agent.popen.pid) - before
         assert all(a.startswith(b"HTTP/1.1 401") and b"unsigned" in a for a in answers), answers
         assert grown < 24 << 20, f"the agent grew by {grown >> 20} MiB holding strangers' bodies"
     finally:

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.support.http import get_json, request
-from tests.support.procs import Proc, python_module, start_echo, wait_for_port
+from tests.support.procs import Proc, python_module, rss_bytes, start_echo, wait_for_port
 from tests.support.transfer import secret_file
 
 MODEL = "deepseek-chat"
@@ -172,11 +172,6 @@ def test_a_guarded_sidecar_calls_only_its_prefill_nodes(fleet) -> None:
     assert status == 200 and head["x-kvgate-pull"] == "ok"
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-
-
 @pytest.mark.parametrize("prefiller", ["deep", "endless"])
 def test_a_prefill_node_answering_garbage_leaves_the_request_served_whole(fleet, prefiller: str) -> None:
     """Before: a prefill node answering 200 with JSON nested 100,000 deep gave the client a 500
@@ -186,12 +181,12 @@ def test_a_prefill_node_answering_garbage_leaves_the_request_served_whole(fleet,
     answer, the request is served whole on the decode node at once (same run: 39 MiB, 0.0 s) and
     ``prefill_error`` is counted."""
     pid = fleet["sidecar_pid"]
-    before_rss = _rss_bytes(int(pid))
+    before_rss = rss_bytes(int(pid))
     before = sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "prefill_error")
     status, head, body = ask(fleet, prefiller, [t + 8 for t in PROMPT])
     assert status == 200, body
     assert body["usage"]["completion_tokens"] == 8 and "x-kvgate-pull" not in head  # computed here
-    grown = _rss_bytes(int(pid)) - before_rss
+    grown = rss_bytes(int(pid)) - before_rss
     assert grown < 32 << 20, f"the sidecar grew by {grown >> 20} MiB reading the prefill node's answer"
     assert sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "prefill_error") == before + 1
 
