@@ -6,7 +6,11 @@ sends the whole buffered body; we answer the body with the routing headers and
 keeps the stream open until the HTTP exchange ends (measured: the stream's EOF arrives after the
 upstream response completes, or when the client goes away), so the end of the stream is where
 the node's load reservation is released — no response phase is needed, which would cost
-~0.5 ms a request (measured here with Envoy 1.40). Only a sampled share of requests
+~0.5 ms a request (measured here with Envoy 1.40). A stream that routes nothing (a path kvgate
+does not route, a caller without the token, a rejected or failed-open request) is ended as soon
+as it is answered, and one that sends no message within ``FIRST_MESSAGE_TIMEOUT_S`` is ended
+unanswered: Envoy takes a server's end of the stream as "done processing", and nobody else can
+hold streams open. Only a sampled share of requests
 (``usage_sample``) asks Envoy, for itself alone, for its answer's body, to read the engine's
 ``cached_tokens`` (``ext_proc.usage``).
 
@@ -52,12 +56,17 @@ UNAUTHENTICATED = Counter(
     registry=metrics.REGISTRY,
 )
 MESSAGE_SLACK = 1 << 20  # a message may exceed the body limit by this (headers, framing)
+FIRST_MESSAGE_TIMEOUT_S = 5.0  # Envoy sends the request headers as it opens a stream; a stream silent this long is ended
 
 
 @cache
 def _streams(end: str) -> Counter:
     """The bound ``EXT_PROC_STREAMS`` child (``labels`` costs a lock and a dict lookup per call)."""
     return metrics.EXT_PROC_STREAMS.labels(end)
+
+
+class _Silent(Exception):
+    """No message came within ``FIRST_MESSAGE_TIMEOUT_S`` of the stream's start."""
 
 
 def _header_map(headers: pb.HttpHeaders) -> dict[str, str]:
@@ -137,6 +146,10 @@ class ExtProcService:
         sampled = tail is not None
         try:
             result = await self._exchange(context, observe_usage=sampled)
+            if result is None or result.kind != "routed":
+                # Nothing held, nothing to watch: end the stream now (Envoy goes on without it)
+                # rather than keep it, a task and ~20 KB, until the HTTP exchange ends.
+                return
             # Wait for Envoy to close the stream: that is the end of the HTTP exchange. With
             # response headers sent (EnvoySettings.observe_responses, or asked for the prediction
             # headers) the node's answer is seen.
@@ -156,6 +169,8 @@ class ExtProcService:
                     await context.write(responses.RESPONSE_BODY_CONTINUE)
                 else:
                     await context.write(responses.EMPTY)
+        except _Silent:
+            end = "silent"
         except asyncio.CancelledError:
             end = "cancelled"
             raise
@@ -188,7 +203,11 @@ class ExtProcService:
             self.health.record(node.node_id, status.isdigit() and int(status) < 500)
 
     async def _exchange(self, context: grpc.aio.ServicerContext, *, observe_usage: bool = False) -> RouteResult | None:
-        msg = await context.read()
+        try:
+            async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_S):
+                msg = await context.read()
+        except TimeoutError:
+            raise _Silent from None
         if msg is grpc.aio.EOF:
             return None
         if not msg.HasField("request_headers"):

@@ -63,7 +63,7 @@ class DebugApi:
         return await handler(request)
 
     def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "").encode()
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # bytes not UTF-8: 401, not 500
         return hmac.compare_digest(given, self._expected)
 
     async def decisions(self, request: web.Request) -> web.Response:

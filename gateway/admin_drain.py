@@ -40,7 +40,7 @@ class DrainApi:
         app.router.add_delete("/admin/drain/{node_id}", self.undrain)
 
     def _refused(self, request: web.Request) -> web.Response | None:
-        given = request.headers.get("Authorization", "").encode()
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")  # bytes not UTF-8: 401, not 500
         if hmac.compare_digest(given, self._expected):
             return None
         return web.json_response(

@@ -70,6 +70,11 @@ Hold = Literal["until_release", "estimate"]
 """How long a routed request's load is held: until ``release`` (the response end is seen), or
 for the decision's estimate of its service time (it never is)."""
 
+FLEET_ONLY_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room")
+"""Body fields that tell an engine to hold its KV for, or read KV from, another node (vLLM's
+NIXL connector, SGLang's disaggregation): from a client they would pin a node's KV for minutes or
+read other requests' blocks; only the P/D sidecar, after the decision, sets them."""
+MAX_MODEL_NAME_CHARS = 1024  # longer names are refused even without a `models` allow-list: no engine serves one
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
@@ -248,7 +253,11 @@ class RoutingCore:
             return _reject(400, "request body is nested too deeply")
         if not isinstance(req, dict):
             return _reject(400, "request body must be a JSON object")
+        if forged := next((name for name in FLEET_ONLY_FIELDS if name in req), None):
+            return _reject(400, f"`{forged}` is set inside the fleet for disaggregated prefill, never by a client")
         model = req.get("model")
+        if isinstance(model, str) and len(model) > MAX_MODEL_NAME_CHARS:  # kept in hot notes and the decision log
+            return _reject(404, f"The model `{model[:64]}…` does not exist (no name longer than {MAX_MODEL_NAME_CHARS} characters does).")
         if isinstance(model, str) and lim.models and model not in lim.models:
             return _reject(404, f"The model `{model}` does not exist.")
         t1 = time.perf_counter()

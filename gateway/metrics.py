@@ -258,7 +258,7 @@ INFLIGHT = Gauge(
     registry=REGISTRY,
 )
 EXT_PROC_STREAMS = Counter(
-    "kvgate_ext_proc_streams", "ext_proc streams by how they ended (ok, error, cancelled)", ["end"], registry=REGISTRY
+    "kvgate_ext_proc_streams", "ext_proc streams by how they ended (ok, error, cancelled; silent: no message within 5 s)", ["end"], registry=REGISTRY
 )
 
 

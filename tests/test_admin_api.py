@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import time
 import uuid
 
@@ -184,6 +185,16 @@ def test_metrics_cover_stages_tokenizer_directory_and_nodes(gw: Gateway) -> None
     assert 'kvgate_node_inflight_requests{node="n2"}' in text
     assert "# TYPE kvgate_bridge_gaps_total counter" in text  # the bridges' registry is exposed too
     assert gw.metric("kvgate_prompt_tokens_total") > 0 and gw.metric("kvgate_expected_cached_tokens_total") >= 0
+
+
+@pytest.mark.parametrize("method,path", [("GET", "/debug/nodes"), ("POST", "/admin/drain/n1"), ("DELETE", "/admin/drain/n1")])
+def test_an_authorization_header_that_is_not_utf8_gets_401(gw: Gateway, method: str, path: str) -> None:
+    """Before: ``Authorization: Bearer \\xff\\xfe`` made the guarded endpoints answer 500 (a
+    UnicodeEncodeError in the token check, a traceback in kvgate's log per request). Now: 401."""
+    with socket.create_connection(("127.0.0.1", gw.admin), timeout=5) as s:
+        s.sendall(f"{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n".encode() + b"authorization: Bearer \xff\xfe\r\n\r\n")
+        answer = s.recv(200)
+    assert answer.startswith(b"HTTP/1.1 401"), answer
 
 
 def test_debug_endpoints_are_absent_unless_enabled(tmp_path) -> None:

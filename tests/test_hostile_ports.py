@@ -272,3 +272,40 @@ async def test_ext_proc_streams_dropped_mid_decision_leave_no_load(core, directo
         assert (REGISTRY.get_sample_value("kvgate_inflight_requests") or 0.0) == inflight
     finally:
         await server.stop(None)
+
+
+async def test_ext_proc_streams_that_route_nothing_are_ended_not_held(core, monkeypatch) -> None:
+    """Before: a stream kvgate answered without routing (no caller token, a path it does not route)
+    stayed open until the client closed it, and a stream that never sent a message stayed open
+    for ever: a stranger without the token held 5,000 streams of a `kvgate serve` (+100 MiB of
+    RSS, 20 KB each) for as long as it liked. Now: such a stream is ended as soon as it is
+    answered (the same 5,000: no growth), a silent one after ``FIRST_MESSAGE_TIMEOUT_S``
+    (``kvgate_ext_proc_streams_total{end="silent"}``)."""
+    from ext_proc import server as ext_proc_server
+
+    monkeypatch.setattr(ext_proc_server, "FIRST_MESSAGE_TIMEOUT_S", 0.3, raising=False)
+    port = free_port()
+    server = build_server(core, f"127.0.0.1:{port}", caller_token="envoy-caller-token-0123456789")
+    await server.start()
+    silent = REGISTRY.get_sample_value("kvgate_ext_proc_streams_total", {"end": "silent"}) or 0.0
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            def open_stream():
+                return channel.stream_stream(
+                    "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                    request_serializer=lambda b: b, response_deserializer=pb.ProcessingResponse.FromString,
+                )()  # fmt: skip
+
+            strangers = [open_stream() for _ in range(50)]
+            for call in strangers:  # the stranger never closes its side
+                await call.write(_headers_msg(CHAT))
+                assert (await call.read()).HasField("mode_override")  # passed through, nothing routed
+            for call in strangers:  # ... and kvgate ends the stream all the same
+                assert await asyncio.wait_for(call.read(), 2) is grpc.aio.EOF
+                assert await call.code() == grpc.StatusCode.OK
+            mute = open_stream()  # opens a stream and never sends anything
+            assert await asyncio.wait_for(mute.read(), 2) is grpc.aio.EOF
+            assert await mute.code() == grpc.StatusCode.OK
+    finally:
+        await server.stop(None)
+    assert REGISTRY.get_sample_value("kvgate_ext_proc_streams_total", {"end": "silent"}) == silent + 1

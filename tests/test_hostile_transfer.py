@@ -15,14 +15,18 @@ import ctypes
 import json
 import logging
 import os
+import socket
 import time
 
 import aiohttp
 import pytest
 
-from tests.support.transfer import SECRET, signed
+from tests.conftest import free_port
+from tests.support.procs import python_module, rss_bytes, wait_for_port
+from tests.support.transfer import SECRET, secret_file, signed
 from tests.test_transfer_mooncake import health, in_process_owner, puller
 from workers.transfer import TransferError
+from workers.transfer import agent as agent_module
 from workers.transfer.agent import transfer_counters
 from workers.transfer.auth import MAX_SKEW_S, PeerAuth, ReplayCache, ReplayCacheFull
 
@@ -238,5 +242,99 @@ async def test_with_a_mooncake_backend_the_data_port_still_serves_anyone_and_say
         first = owner.slots.view(owner.slots.slot_of(chain[0])).tobytes()
         stolen = await asyncio.to_thread(_steal_through_mooncake, session, owner.slots.nbytes)
         assert stolen is not None and first in stolen
+    finally:
+        await owner.close()
+
+
+def test_a_strangers_body_is_refused_before_it_is_read_and_never_held(tmp_path) -> None:
+    """Before: the agent read a request's whole body (up to 16 MiB) before checking its signature,
+    with no deadline: 8 strangers each sending 15 MiB of a 16 MiB body (and never the rest) grew
+    the agent's process by 121 MiB, held for as long as they kept the connections open, and got
+    no answer at all. Now: the head alone is verified, each stranger gets 401 at once, and its
+    body is discarded as it comes (the process grew by 1 MiB)."""
+    port = free_port()
+    agent = python_module(
+        "transfer-agent", "workers.transfer",
+        ["serve", "--port", str(port), "--blocks", "16", "--payload-bytes", "1024", "--secret-file", secret_file(tmp_path)],
+        tmp_path,
+    )  # fmt: skip
+    held: list[socket.socket] = []
+    try:
+        wait_for_port(port, proc=agent.popen)
+        before = rss_bytes(agent.popen.pid)
+        head = b"POST /kv/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % (16 << 20)
+        answers = []
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", port))
+            held.append(s)
+            s.settimeout(5)
+            s.sendall(head + b"[" * 4096)
+            answers.append(s.recv(4096))  # before: nothing came back until the body was whole
+            try:
+                s.sendall(b"1," * (15 << 19))  # the rest of 15 MiB, which the agent must not keep
+            except OSError:  # the agent may have stopped reading a refused request's body
+                pass
+        time.sleep(0.5)
+        grown = rss_bytes(agent.popen.pid) - before
+        assert all(a.startswith(b"HTTP/1.1 401") and b"unsigned" in a for a in answers), answers
+        assert grown < 24 << 20, f"the agent grew by {grown >> 20} MiB holding strangers' bodies"
+    finally:
+        for s in held:
+            s.close()
+        agent.stop()
+
+
+@pytest.mark.parametrize(
+    "header,value",
+    [
+        ("x-kv-time", b"9" * 400),  # an integer no float holds
+        ("x-kv-signature", "\u00e9t\u00e9".encode()),  # not ASCII: hmac.compare_digest refuses str of it
+        ("x-kv-peer", b"\xff\xfe"),  # not UTF-8
+    ],
+)
+async def test_a_malformed_signature_header_gets_401_not_500(header: str, value: bytes) -> None:
+    """Before: these headers made the agent answer 500 (an OverflowError or TypeError in the
+    check, a traceback in its log per request) and the refusal was not counted. Now: 401 with the
+    reason, counted in ``kvgate_transfer_unauthenticated_requests_total``."""
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    body = json.dumps({"hashes": chain, "start": 0}).encode()
+    headers = {k.lower(): v.encode() for k, v in PeerAuth(SECRET, "peer").sign("POST", ep, "/kv/lease", body).items()}
+    headers[header] = value
+    head = b"POST /kv/lease HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % len(body)
+    head += b"".join(b"%s: %s\r\n" % (k.encode(), v) for k, v in headers.items())
+    try:
+        reader, writer = await asyncio.open_connection(*ep.rsplit(":", 1))
+        writer.write(head + b"connection: close\r\n\r\n" + body)
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        assert owner.stats.unauthenticated == 1 and holder.pinned == 0
+    finally:
+        await owner.close()
+
+
+async def test_a_signed_body_must_be_the_one_signed_and_arrive_in_time(monkeypatch) -> None:
+    """A head signed by a peer does not vouch for another body (401), and a signed body that stops
+    arriving gets 408 after ``BODY_TIMEOUT_S`` rather than holding the connection for ever."""
+    monkeypatch.setattr(agent_module, "BODY_TIMEOUT_S", 0.5)
+    owner, holder, chain = await in_process_owner()
+    ep = owner.endpoint
+    body = json.dumps({"hashes": chain, "start": 0}).encode()
+    fleet = PeerAuth(SECRET, "peer")
+    try:
+        async with aiohttp.ClientSession() as s:
+            other = json.dumps({"hashes": chain[:1], "start": 0}).encode()
+            async with s.post(f"http://{ep}/kv/lease", data=other, headers=fleet.sign("POST", ep, "/kv/lease", body)) as r:
+                assert r.status == 401 and "not the one signed" in (await r.json())["error"]
+        headers = fleet.sign("POST", ep, "/kv/lease", body)
+        head = b"POST /kv/lease HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n" % len(body)
+        head += b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+        reader, writer = await asyncio.open_connection(*ep.rsplit(":", 1))
+        writer.write(head + b"\r\n" + body[:10])  # and never the rest
+        answer = await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert holder.pinned == 0 and owner.stats.leases == 0
     finally:
         await owner.close()

@@ -122,3 +122,26 @@ def test_envoy_carries_the_caller_token_so_its_requests_are_still_routed(tmp_pat
         assert f"kvgate_{integration}_unauthenticated_total 0.0" in metrics
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("kv_transfer_params", {"do_remote_decode": True}),  # pins the prompt's KV on the node for a decode that never comes
+        ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 5600, "remote_block_ids": [1, 2]}),
+        ("bootstrap_host", "10.0.0.9"),  # SGLang: the decode engine joins a prefill node of the client's choosing
+    ],
+)
+def test_a_client_cannot_send_disaggregation_parameters_to_an_engine(stack: Stack, field: str, value: object) -> None:
+    """Before: a client's ``kv_transfer_params`` (vLLM's NIXL connector) or SGLang's ``bootstrap_*``
+    fields reached the node as sent (200 from the echo node, the body whole): with a KV connector,
+    ``do_remote_decode`` holds the prompt's KV on the node until a decode reads it (vLLM aborts
+    after 480 s) and ``do_remote_prefill`` reads blocks from the engine the client names. Now:
+    400 with kvgate's JSON error naming the field; no node sees the request."""
+    before = stack.node_requests()
+    body = json.dumps({"model": MODEL, "prompt": "hello " * 40, "max_tokens": 1, field: value}).encode()
+    status, _, raw = request(stack.url("/v1/completions"), method="POST", body=body, headers={"content-type": "application/json"}, timeout=30)
+    assert status == 400, (status, raw[:300])
+    error = json.loads(raw)
+    assert error["object"] == "error" and f"`{field}`" in error["message"]
+    assert stack.node_requests() == before

@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.support.http import get_json, request
-from tests.support.procs import Proc, python_module, start_echo, wait_for_port
+from tests.support.procs import Proc, python_module, rss_bytes, start_echo, wait_for_port
 from tests.support.transfer import secret_file
 
 MODEL = "deepseek-chat"
@@ -54,6 +54,11 @@ def fleet(tmp_path_factory):
         procs.append(start_echo("slow", slow, tmp, delay_s=5.0))
         procs.append(start_echo("plain", plain, tmp))  # answers without kv_transfer_params
         nodes["slow"], nodes["plain"], nodes["down"] = f"127.0.0.1:{slow}", f"127.0.0.1:{plain}", f"127.0.0.1:{free_port()}"
+        for mode in ("deep", "endless"):  # answer 200 with garbage
+            garbage = free_port()
+            procs.append(python_module(f"prefiller-{mode}", "tests.support.hostile_prefiller", ["--port", str(garbage), "--mode", mode], tmp))
+            wait_for_port(garbage, proc=procs[-1].popen)
+            nodes[mode] = f"127.0.0.1:{garbage}"
         port = free_port()
         procs.append(python_module(
             "pd-sidecar", "gateway.cli",
@@ -61,7 +66,13 @@ def fleet(tmp_path_factory):
             tmp,
         ))  # fmt: skip
         wait_for_port(port, proc=procs[-1].popen, timeout_s=30)
-        nodes["sidecar"] = f"127.0.0.1:{port}"
+        nodes["sidecar"], nodes["sidecar_pid"] = f"127.0.0.1:{port}", str(procs[-1].popen.pid)
+        echoing = free_port()  # a sidecar in front of the echo node: says what reached the engine
+        procs.append(python_module(
+            "pd-sidecar-echoing", "gateway.cli", ["pd-sidecar", "--port", str(echoing), "--engine", f"http://{nodes['plain']}"], tmp,
+        ))  # fmt: skip
+        wait_for_port(echoing, proc=procs[-1].popen, timeout_s=30)
+        nodes["echoing"] = f"127.0.0.1:{echoing}"
         guarded = free_port()  # a sidecar that calls only the fleet's prefill node
         procs.append(python_module(
             "pd-sidecar-guarded", "gateway.cli",
@@ -159,3 +170,34 @@ def test_a_guarded_sidecar_calls_only_its_prefill_nodes(fleet) -> None:
     assert sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "untrusted_prefiller", sidecar="guarded") == before + 1
     status, head, body = ask(fleet, "prefill", [t + 7 for t in PROMPT], sidecar="guarded")
     assert status == 200 and head["x-kvgate-pull"] == "ok"
+
+
+@pytest.mark.parametrize("prefiller", ["deep", "endless"])
+def test_a_prefill_node_answering_garbage_leaves_the_request_served_whole(fleet, prefiller: str) -> None:
+    """Before: a prefill node answering 200 with JSON nested 100,000 deep gave the client a 500
+    (RecursionError in the sidecar); one answering 200 with an endless body was read into memory
+    until the prefill timeout (measured with a 10 s timeout: the sidecar peaked at 2.3 GiB and the
+    client waited 10.4 s). Now: the sidecar reads at most ``MAX_PREFILL_ANSWER_BYTES`` of the
+    answer, the request is served whole on the decode node at once (same run: 39 MiB, 0.0 s) and
+    ``prefill_error`` is counted."""
+    pid = fleet["sidecar_pid"]
+    before_rss = rss_bytes(int(pid))
+    before = sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "prefill_error")
+    status, head, body = ask(fleet, prefiller, [t + 8 for t in PROMPT])
+    assert status == 200, body
+    assert body["usage"]["completion_tokens"] == 8 and "x-kvgate-pull" not in head  # computed here
+    grown = rss_bytes(int(pid)) - before_rss
+    assert grown < 32 << 20, f"the sidecar grew by {grown >> 20} MiB reading the prefill node's answer"
+    assert sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "prefill_error") == before + 1
+
+
+def test_a_request_body_nested_too_deep_for_the_sidecar_is_the_engines_to_answer(fleet) -> None:
+    """msgspec (kvgate) and Python's ``json`` (the sidecar) stop at nearly the same depth (~990
+    levels), so a body nested a little too deep for the sidecar can reach it with a prefill node
+    named. Before: the sidecar itself answered 500 "Server got itself in trouble". Now: it passes
+    the body on unchanged and the engine answers it (here the echo node: 200, every byte seen)."""
+    deep = b'{"model": "%s", "prompt": [1, 2, 3], "extra": %s%s}' % (MODEL.encode(), b"[" * 5000, b"]" * 5000)
+    headers = {"content-type": "application/json", "x-prefiller-host-port": fleet["prefill"]}
+    status, _, raw = request(f"http://{fleet['echoing']}/v1/completions", method="POST", body=deep, headers=headers, timeout=30)
+    assert status == 200, raw[:200]
+    assert json.loads(raw)["body_len"] == len(deep)

@@ -56,6 +56,18 @@ class SidecarMetrics:
 
 PROTOCOLS = ("nixl", "sglang")
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+MAX_PREFILL_ANSWER_BYTES = 1 << 20  # a prefill's answer (one token, kv_transfer_params) is ~1 KiB
+
+
+async def _read_at_most(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """An answer's body; ``ValueError`` past ``limit`` bytes, so a prefill node answering without
+    end costs the sidecar ``limit`` bytes, not its memory until the prefill timeout."""
+    body = bytearray()
+    async for chunk in resp.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise ValueError(f"answer over {limit} bytes")
+    return bytes(body)
 
 
 def sglang_bootstrap(prefiller: str, bootstrap_port: int) -> dict[str, Any]:
@@ -109,13 +121,13 @@ class Sidecar:
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
                 async with self.session.post(f"http://{prefiller}{path}", json=ask, headers=headers) as resp:
-                    answer = await resp.json(content_type=None) if resp.status == 200 else None
+                    answer = json.loads(await _read_at_most(resp, MAX_PREFILL_ANSWER_BYTES)) if resp.status == 200 else None
                     status = resp.status
         except TimeoutError:
             log.warning("prefill on %s timed out after %.1f s: serving whole", prefiller, self.prefill_timeout_s)
             self.metrics.fallbacks.labels("prefill_timeout").inc()
             return None
-        except (aiohttp.ClientError, ValueError, OSError) as e:
+        except (aiohttp.ClientError, ValueError, RecursionError, OSError) as e:  # RecursionError: JSON nested too deep
             log.warning("prefill on %s failed (%s): serving whole", prefiller, e)
             self.metrics.fallbacks.labels("prefill_error").inc()
             return None
@@ -138,7 +150,7 @@ class Sidecar:
         if prefiller and request.method == "POST" and request.path in GENERATION_PATHS:
             try:
                 body = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 body = None  # the engine answers the client's mistake
             if isinstance(body, dict) and self.protocol == "sglang":
                 return await self.sglang_split(request, prefiller, body, headers)
@@ -174,7 +186,8 @@ class Sidecar:
                 async with self.session.post(
                     f"http://{prefiller}{path}", data=raw, headers={"content-type": "application/json"}
                 ) as resp:
-                    await resp.read()
+                    async for _ in resp.content.iter_any():  # read and dropped as it comes, never kept whole
+                        pass
                     if resp.status != 200:
                         log.warning("prefill on %s answered %d", prefiller, resp.status)
                         self.metrics.fallbacks.labels("prefill_error").inc()

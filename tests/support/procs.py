@@ -61,6 +61,12 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
 
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (what an attack makes it hold)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
 def python_module(name: str, module: str, args: Sequence[str], log_dir: Path, env: dict | None = None) -> Proc:
     return Proc(name, [sys.executable, "-m", module, *args], log_dir, env)
 

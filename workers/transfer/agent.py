@@ -56,6 +56,7 @@ DEFAULT_LEASE_TTL_S = 10.0
 DEFAULT_MAX_LEASES = 1024
 DEFAULT_MAX_LEASES_PER_PEER = 64
 MAX_LEASE_BLOCKS = 1 << 16
+BODY_TIMEOUT_S = 10.0  # a signed request's body must have arrived by then (408)
 
 
 class BlockHolder(Protocol):
@@ -273,13 +274,26 @@ class TransferAgent:
             self._expire(time.monotonic())
 
     async def _authenticated(self, request: web.Request) -> tuple[str, bytes]:
-        """(peer id, body) of a signed request; raises a 401 answer otherwise."""
-        body = await request.read()
+        """(peer id, body) of a signed request; raises a 401 answer otherwise.
+
+        The head is verified before any of the body is read, so a stranger gets its 401 at once
+        and the agent buffers nothing of its body; a signed body must arrive within
+        ``BODY_TIMEOUT_S`` (408) and be the one signed.
+        """
         try:
-            peer = self.auth.verify(request.method, self.endpoint, request.path, body, request.headers)
+            peer = self.auth.verify(request.method, self.endpoint, request.path, request.headers)
             if not self._replays.admit(request.headers[SIGNATURE]):
                 self.stats.replayed += 1
                 raise AuthError(f"replayed request (this signature of {peer} was already used)")
+            try:
+                async with asyncio.timeout(BODY_TIMEOUT_S):
+                    body = await request.read()
+            except TimeoutError:
+                raise web.HTTPRequestTimeout(
+                    text=json.dumps({"error": f"request body not received within {BODY_TIMEOUT_S:g} s"}),
+                    content_type="application/json",
+                ) from None
+            self.auth.check_body(request.headers, body)
             return peer, body
         except AuthError as e:
             self.stats.unauthenticated += 1

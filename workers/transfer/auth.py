@@ -7,6 +7,11 @@ is signed with an HMAC-SHA256 over its method, the endpoint it is sent to, its p
 and its body's SHA-256, under a secret read from a file (a Kubernetes Secret in the chart):
 
     x-kv-peer: <peer id>   x-kv-time: <unix ms>   x-kv-nonce: <random hex>   x-kv-signature: <hex HMAC>
+    x-kv-body-sha256: <hex SHA-256 of the body>
+
+The body's digest travels in its own header so that the head alone can be verified: a stranger
+is refused before a byte of its body is read (the agent would otherwise buffer up to its body
+limit for anyone who connects), and the body, once read, must match the digest signed.
 
 The agent accepts a request only if the signature verifies, the timestamp is within
 ``MAX_SKEW_S`` of its clock, and the endpoint signed for is its own, so a request captured by
@@ -35,6 +40,7 @@ MAX_SKEW_S = 30.0
 MIN_SECRET_BYTES = 16
 REPLAY_CACHE_ENTRIES = 1 << 16  # signatures remembered (~1,000 signed requests/s); ~230 B each, ~15 MiB at most
 PEER, TIME, NONCE, SIGNATURE = "x-kv-peer", "x-kv-time", "x-kv-nonce", "x-kv-signature"
+BODY_DIGEST = "x-kv-body-sha256"
 
 
 class AuthError(Exception):
@@ -58,30 +64,43 @@ class PeerAuth:
     def from_file(cls, path: str | Path, peer_id: str) -> PeerAuth:
         return cls(Path(path).read_bytes(), peer_id)
 
-    def _mac(self, method: str, endpoint: str, path: str, peer: str, stamp: str, nonce: str, body: bytes) -> str:
-        message = "\n".join((method.upper(), endpoint, path, peer, stamp, nonce, hashlib.sha256(body).hexdigest()))
-        return hmac.new(self._secret, message.encode(), hashlib.sha256).hexdigest()
+    def _mac(self, method: str, endpoint: str, path: str, peer: str, stamp: str, nonce: str, digest: str) -> str:
+        message = "\n".join((method.upper(), endpoint, path, peer, stamp, nonce, digest))
+        return hmac.new(self._secret, _raw(message), hashlib.sha256).hexdigest()
 
     def sign(self, method: str, endpoint: str, path: str, body: bytes = b"") -> dict[str, str]:
         """Headers authenticating a request of ``method`` to ``http://endpoint/path``."""
-        stamp, nonce = str(int(time.time() * 1000)), secrets.token_hex(12)
-        signature = self._mac(method, endpoint, path, self.peer_id, stamp, nonce, body)
-        return {PEER: self.peer_id, TIME: stamp, NONCE: nonce, SIGNATURE: signature}
+        stamp, nonce, digest = str(int(time.time() * 1000)), secrets.token_hex(12), hashlib.sha256(body).hexdigest()
+        signature = self._mac(method, endpoint, path, self.peer_id, stamp, nonce, digest)
+        return {PEER: self.peer_id, TIME: stamp, NONCE: nonce, BODY_DIGEST: digest, SIGNATURE: signature}
 
-    def verify(self, method: str, endpoint: str, path: str, body: bytes, headers: Mapping[str, str]) -> str:
-        """The signing peer's id; ``AuthError`` unless signed with the secret, for ``endpoint``, lately."""
-        peer, stamp, nonce, signature = (headers.get(h) for h in (PEER, TIME, NONCE, SIGNATURE))
-        if not peer or not stamp or not nonce or not signature:
-            raise AuthError("unsigned request: x-kv-peer, x-kv-time, x-kv-nonce and x-kv-signature are required")
+    def verify(self, method: str, endpoint: str, path: str, headers: Mapping[str, str]) -> str:
+        """The signing peer's id, from the request's head alone; ``AuthError`` unless signed with
+        the secret, for ``endpoint``, lately. The body, once read, must pass ``check_body``."""
+        peer, stamp, nonce, digest, signature = (headers.get(h) for h in (PEER, TIME, NONCE, BODY_DIGEST, SIGNATURE))
+        if not peer or not stamp or not nonce or not digest or not signature:
+            raise AuthError(f"unsigned request: {PEER}, {TIME}, {NONCE}, {BODY_DIGEST} and {SIGNATURE} are required")
         try:
             age = abs(time.time() - int(stamp) / 1000)
-        except ValueError:
-            raise AuthError(f"x-kv-time {stamp!r} is not a timestamp") from None
+        except (ValueError, OverflowError):  # OverflowError: digits no float holds
+            raise AuthError(f"x-kv-time {stamp[:40]!r} is not a timestamp") from None
         if age > MAX_SKEW_S:
             raise AuthError(f"request signed {age:.0f} s away from this agent's clock (at most {MAX_SKEW_S:g})")
-        if not hmac.compare_digest(signature, self._mac(method, endpoint, path, peer, stamp, nonce, body)):
+        if not hmac.compare_digest(_raw(signature), self._mac(method, endpoint, path, peer, stamp, nonce, digest).encode()):
             raise AuthError("bad signature (another secret, or signed for another agent)")
         return peer
+
+    @staticmethod
+    def check_body(headers: Mapping[str, str], body: bytes) -> None:
+        """``AuthError`` unless ``body`` is the one whose digest a verified head carries."""
+        if not hmac.compare_digest(hashlib.sha256(body).hexdigest().encode(), _raw(headers.get(BODY_DIGEST, ""))):
+            raise AuthError("the body is not the one signed (its SHA-256 differs from x-kv-body-sha256)")
+
+
+def _raw(value: str) -> bytes:
+    """A header's bytes as received: ``hmac.compare_digest`` refuses non-ASCII str (TypeError), and
+    headers that are not UTF-8 arrive with surrogates, which a plain ``encode`` refuses."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 class ReplayCacheFull(Exception):
