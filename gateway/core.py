@@ -360,7 +360,10 @@ class RoutingCore:
         assert result.request is not None and result.decision is not None and result.decision.node is not None
         session, node_id = result.request.session, result.decision.node.node_id
         lim = self.limits
-        ttl_s = lim.session_long_ttl_s if result.request.retention == "long" else lim.session_ttl_s
+        # Long retention is granted to a session that came back (its node was recorded): a client
+        # minting a fresh ID per request would otherwise leave a directory key a day for each.
+        kept_long = result.request.retention == "long" and bool(result.request.session_node)
+        ttl_s = lim.session_long_ttl_s if kept_long else lim.session_ttl_s
 
         async def record() -> None:
             try:

@@ -137,7 +137,8 @@ def test_a_session_slack_of_zero_turns_the_preference_into_a_tie_breaker() -> No
 
 async def test_the_core_routes_a_short_named_turn_and_records_its_class() -> None:
     """A prompt short enough to be tokenized whole (not routed on its head) names its session and
-    class in the body; the session is read with the lookup and recorded with the long TTL."""
+    class in the body; the session is read with the lookup, recorded with the default TTL on its
+    first turn and with the long one once it came back."""
     from gateway.core import RoutingCore, RoutingLimits
     from directory_client.types import NodeInfo
     from tokenizer import PromptTokenizer
@@ -156,12 +157,43 @@ async def test_the_core_routes_a_short_named_turn_and_records_its_class() -> Non
     for _ in range(3):  # recorded off the answer's path
         await asyncio.sleep(0)
     node = result.decision.node.node_id
-    now[0] += 3000  # past the default TTL, within the long one
-    assert await directory.session_node(result.request.session) == node
+    now[0] += 30  # within the default TTL
     for i in (1, 2):
         await directory.heartbeat(f"n{i}")
     again = await core.route(PATH, json.dumps(body).encode())
     assert again.kind == "routed" and again.request.session_node == node  # read back with the lookup
+    for _ in range(3):
+        await asyncio.sleep(0)
+    now[0] += 3000  # past the default TTL, within the long one: the session came back, so it is kept
+    assert await directory.session_node(result.request.session) == again.decision.node.node_id
+
+
+async def test_a_session_seen_once_is_not_kept_a_day_however_it_asks() -> None:
+    """A client minting a fresh session ID for every request, each asking for long retention.
+    Before: each left a directory key for the long TTL (2,000 requests, 2,000 keys kept 24 h, until
+    Redis's memory is full and it refuses every write). What that client gets now: its one-off
+    sessions are remembered for the default TTL only."""
+    from gateway.core import RoutingCore, RoutingLimits
+    from directory_client.types import NodeInfo
+    from tokenizer import PromptTokenizer
+
+    now = [1000.0]
+    directory = InProcessDirectory(clock=lambda: now[0])
+    await directory.register_node(NodeInfo("n1", "127.0.0.1:9001"))
+    core = RoutingCore(PromptTokenizer(), directory, make_policy("kvgate"), load_profile("llama-3.1-8b-h100"),
+                       RoutingLimits(session_ttl_s=60, session_long_ttl_s=3600))
+    sessions = []
+    for i in range(20):
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hello there."}], "user": f"mint-{i}",
+                "prompt_cache_retention": "24h"}
+        result = await core.route(PATH, json.dumps(body).encode())
+        assert result.kind == "routed"
+        sessions.append(result.request.session)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert all([await directory.session_node(s) == "n1" for s in sessions])  # remembered ...
+    now[0] += 61
+    assert not any([await directory.session_node(s) for s in sessions])  # ... for the default TTL
 
 
 # --- through Envoy ------------------------------------------------------------------------------------
@@ -258,7 +290,7 @@ def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, 
         return redis.Redis.from_url(redis_url).pttl(f"{stack.key_prefix}:session:{session_key(name, MODEL, None)}")
 
     eventually(lambda: ttl_ms(short) > 0 and ttl_ms(long) > 0, timeout_s=5)  # recorded after the answer
-    assert ttl_ms(short) <= 1800_000 < 3600_000 < ttl_ms(long)
+    assert ttl_ms(long) <= 1800_000  # a first turn: kept long only once it comes back
     for session, first, kept in ((short, first_short, False), (long, first_long, True)):
         busy = load(stack, first, 2000)
         try:
@@ -269,6 +301,8 @@ def test_a_long_retention_session_stays_where_a_default_one_moves(stack: Stack, 
             assert (turn == first) is kept
         finally:
             release(stack, busy)
+    eventually(lambda: ttl_ms(long) > 3600_000, timeout_s=5)  # it came back: remembered for the long TTL
+    assert ttl_ms(short) <= 1800_000
 
 
 def test_the_openai_user_field_names_a_session_too(stack: Stack) -> None:
@@ -302,7 +336,7 @@ def test_sessions_are_off_with_a_zero_ttl(tmp_path_factory, envoy_bin, redis_url
 def test_ext_authz_sees_the_session_and_retention_headers(tmp_path_factory, envoy_bin, redis_url) -> None:
     """Over ext_authz Envoy forwards ``x-session-id`` and ``x-kvgate-retention`` to kvgate (the
     rendered filter's allowed headers): each session is recorded at the node it was routed to,
-    with the TTL of its class, and the body's ``user`` names one too. (The cost comparisons above
+    with the TTL of its class (long once it came back), and the body's ``user`` names one too. (The cost comparisons above
     run over ext_proc, whose loads end with the response; over ext_authz a turn's load is held
     for its estimate, so back-to-back turns see their own earlier load.)"""
     s = Stack(tmp_path_factory.mktemp("sessions-authz"), envoy_bin, redis_url, f"kvgate-test:{uuid.uuid4().hex[:12]}",
@@ -322,7 +356,9 @@ def test_ext_authz_sees_the_session_and_retention_headers(tmp_path_factory, envo
         at, ttl = recorded_at(short)
         assert at == node_short and 0 < ttl <= 1800_000
         at, ttl = recorded_at(long)
-        assert at == node_long and ttl > 3600_000
+        assert at == node_long and 0 < ttl <= 1800_000  # its first turn
+        assert send(s, chat(document("atoll"), "Reefs?"), long, retention="long") == node_long
+        eventually(lambda: recorded_at(long)[1] > 3600_000, timeout_s=5)  # it came back: kept long
         at, ttl = recorded_at(user)
         assert at == node_user and 0 < ttl <= 1800_000
     finally:
