@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from tokenizer.chunked import ChunkSplitter
 from tokenizer.errors import InvalidPrompt
 from tokenizer.lru import ByteBoundedLRU
 from tokenizer.segments import AddedTokenSplitter
@@ -51,10 +52,11 @@ class EncodePlan:
 class SegmentedEncoder:
     """Cached, exact text encoding for one tokenizer; safe to call from several threads."""
 
-    def __init__(self, tokenizer: Tokenizer, *, cache_bytes: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, cache_bytes: int, chunk_memo_bytes: int = 64 << 20) -> None:
         self.tokenizer = tokenizer
         self.cache = ByteBoundedLRU(cache_bytes)
         self.splitter = AddedTokenSplitter(tokenizer)
+        self.chunks = ChunkSplitter(self.splitter, memo_bytes=chunk_memo_bytes)
         self._batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._token_arrays: dict[int, np.ndarray] = {}
         self._token_bytes = self.splitter.token_utf8_lengths()
@@ -86,9 +88,14 @@ class SegmentedEncoder:
 
     def plan(self, text: str, *, add_special_tokens: bool) -> EncodePlan:
         """Split and look up; no tokenization happens here."""
+        return self.plan_chunks([text], add_special_tokens=add_special_tokens)
+
+    def plan_chunks(self, chunks: list[str], *, add_special_tokens: bool) -> EncodePlan:
+        """``plan`` of ``"".join(chunks)``, whose long chunks are cut without joining them
+        (``chunked``): a template's output chunks, for one."""
         if add_special_tokens and self._prefix is None:
-            return EncodePlan([], [], whole_text=text)
-        pieces = self.splitter.split(text)
+            return EncodePlan([], [], whole_text="".join(chunks))
+        pieces = self.chunks.split(chunks)
         texts = [p for p in pieces if isinstance(p, str)]
         found = iter(self.cache.get_many(texts))
         parts: list[np.ndarray | str] = []

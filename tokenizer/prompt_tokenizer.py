@@ -105,12 +105,13 @@ def _continue_final_message(template: ChatTemplate, prompt: ChatPrompt) -> str:
     return rendered[:at].rstrip()
 
 
-def _utf8_len_over(text: str, limit: int) -> bool | None:
-    """Whether ``text`` is over ``limit`` UTF-8 bytes when its length in characters decides
-    (``str.isascii`` is a flag read); None when only its encoded length can tell."""
-    if len(text) > limit:
+def _utf8_len_over(chunks: list[str], limit: int) -> bool | None:
+    """Whether the text of ``chunks`` is over ``limit`` UTF-8 bytes when its length in
+    characters decides (``str.isascii`` is a flag read); None when only its encoded length can tell."""
+    chars = sum(map(len, chunks))
+    if chars > limit:
         return True
-    if len(text) * 4 <= limit or text.isascii():
+    if chars * 4 <= limit or all(c.isascii() for c in chunks):
         return False
     return None
 
@@ -198,6 +199,16 @@ class PromptTokenizer:
         )
         return text, prompt.add_special_tokens
 
+    def prompt_chunks(self, prompt: ChatPrompt | TextPrompt) -> tuple[list[str], bool]:
+        """``prompt_text`` as the chunks the chat template emitted (joined, they are the text)."""
+        if isinstance(prompt, ChatPrompt) and not prompt.continue_final_message:
+            chunks = self.template.render_chunks(
+                prompt.messages, add_generation_prompt=prompt.add_generation_prompt, **prompt.template_kwargs
+            )
+            return chunks, prompt.add_special_tokens
+        text, special = self.prompt_text(prompt)
+        return [text], special
+
     def prepare(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> PreparedPrompt:
         """Parse, render and look the prompt up in the segment cache — everything but encoding.
 
@@ -209,13 +220,15 @@ class PromptTokenizer:
         req = self.parse(path, body)
         if isinstance(req.prompt, TokenPrompt):
             return PreparedPrompt(req.model, req.cache_salt, req.prompt.token_ids, None)
-        text, special = self.prompt_text(req.prompt)
-        over = False if max_text_bytes is None else _utf8_len_over(text, max_text_bytes)
+        chunks, special = self.prompt_chunks(req.prompt)
+        over = False if max_text_bytes is None else _utf8_len_over(chunks, max_text_bytes)
         if over:
             raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
-        plan = self._encoder.plan(text, add_special_tokens=special)
+        plan = self._encoder.plan_chunks(chunks, add_special_tokens=special)
         if over is None and max_text_bytes is not None:  # non-ASCII near the limit: its pieces decide
-            size = plan.text_bytes if plan.text_bytes >= 0 else len(text.encode("utf-8", "surrogatepass"))
+            size = plan.text_bytes
+            if size < 0:
+                size = sum(len(c.encode("utf-8", "surrogatepass")) for c in chunks)
             if size > max_text_bytes:
                 raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
         return PreparedPrompt(req.model, req.cache_salt, None, plan)
