@@ -44,7 +44,8 @@ FASTEST_TIER: tuple[int, ...] = (0, 0, 1, 0, 2, 0, 1, 0)
 TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.CPU, Tier.STORAGE)
 ALL_TIERS_MASK = 0b111
 _IDLE = NodeLoad()
-_MAX_RUNS = 1 << 16  # remembered held runs per node (a set of ints, ~4 MB at most)
+RUN = 32  # sampled keys a remembered run covers
+_MAX_RUNS = 1 << 16  # remembered runs per node (a set of ints, ~4 MB at most)
 MAX_SESSIONS = 200_000  # past it the oldest records go first (a bound on memory, not a TTL)
 
 
@@ -59,10 +60,10 @@ class _Node:
         self.keep_until = float("-inf")
         self.blocks: dict[int, int] = {}  # key -> tier bitmask
         self.bridged = False  # a writer-lease holder wrote its entries (outlives the lease, not the node)
-        # Keys ending a lookup chunk that a lookup found held in GPU memory together with every
-        # sampled key before it (a chained key stands for its whole prefix). A continuing chat's
-        # next lookup skips those chunks instead of testing its history key by key (~300 µs at
-        # 128k tokens). Adding blocks or tiers keeps that true; anything removed clears them all.
+        # Every RUN-th sampled key of a prompt that a lookup found held in GPU memory together with
+        # every sampled key before it (a chained key stands for its whole prefix). A continuing
+        # chat's next lookup skips those runs instead of testing its history key by key (~300 µs
+        # at 128k tokens). Adding blocks or tiers keeps that true; anything removed forgets them.
         self.runs: set[int] = set()
 
     def forget_runs(self) -> None:
@@ -133,26 +134,26 @@ class _Load:
 class _Chunks:
     """A lookup's keys as lists of Python ints, made a chunk at a time and shared by the nodes:
     a scan stops at a node's first missing block, usually long before the end of a long prompt,
-    and skips the chunks a node's remembered runs vouch for."""
+    and skips the runs a node is remembered to hold."""
 
     SIZE = 256
 
-    __slots__ = ("_keys", "_made")
+    __slots__ = ("_keys", "_made", "_marks")
 
     def __init__(self, keys: Sequence[int]) -> None:
         self._keys = keys
         self._made: dict[int, list[int]] = {}  # chunk index -> its keys, listed when first scanned
+        self._marks: list[int] | None = None
 
-    @property
-    def count(self) -> int:
-        return -(-len(self._keys) // self.SIZE)
+    def __len__(self) -> int:
+        return len(self._keys)
 
-    def full(self, c: int) -> bool:
-        return (c + 1) * self.SIZE <= len(self._keys)
-
-    def last(self, c: int) -> int:
-        """The last key of chunk ``c``, without listing the chunk."""
-        return int(self._keys[min((c + 1) * self.SIZE, len(self._keys)) - 1])
+    def marks(self) -> list[int]:
+        """Every ``RUN``-th key (the last of each run of ``RUN``), listed once per lookup."""
+        if self._marks is None:
+            part = self._keys[RUN - 1 :: RUN]
+            self._marks = part.tolist() if hasattr(part, "tolist") else list(part)
+        return self._marks
 
     def get(self, c: int) -> list[int]:
         made = self._made.get(c)
@@ -160,6 +161,43 @@ class _Chunks:
             part = self._keys[c * self.SIZE : (c + 1) * self.SIZE]
             made = self._made[c] = part.tolist() if hasattr(part, "tolist") else list(part)
         return made
+
+
+def _held(blocks: dict[int, int], runs: set[int], chunks: _Chunks) -> tuple[int, int]:
+    """How many of the prompt's sampled keys a node holds from the start, and the slowest tier
+    among them; the runs of ``RUN`` keys it is remembered to hold in GPU memory are skipped, and
+    those found so now are remembered."""
+    marks = chunks.marks() if runs else []
+    vouched = 0
+    while vouched < len(marks) and marks[vouched] in runs:
+        vouched += 1
+    held = vouched * RUN
+    worst = 0
+    on_gpu = -1  # keys held before the first one not in GPU memory (-1: all of them so far)
+    size, n = _Chunks.SIZE, len(chunks)
+    while held < n:
+        c, off = divmod(held, size)
+        chunk = chunks.get(c)
+        for k in chunk[off:] if off else chunk:
+            mask = blocks.get(k)
+            if mask is None:
+                break
+            t = FASTEST_TIER[mask]
+            if t > worst:
+                if on_gpu < 0:
+                    on_gpu = held
+                worst = t
+            held += 1
+        else:
+            continue
+        break
+    runs_now = (held if on_gpu < 0 else on_gpu) // RUN
+    if runs_now > vouched:
+        if len(runs) >= _MAX_RUNS:
+            runs.clear()
+            vouched = 0
+        runs.update(chunks.marks()[vouched:runs_now])
+    return held, worst
 
 
 class InProcessDirectory:
@@ -358,28 +396,7 @@ class InProcessDirectory:
         stride, loads, blocks_for = self.sampler.stride, self._loads, KeySampler.blocks_for
         for nid, st in self._live(now):
             blocks = st.blocks
-            held = worst = 0
-            runs = st.runs
-            for c in range(chunks.count) if blocks else ():  # a node holding nothing (a cold one) is not scanned
-                if not worst and chunks.full(c) and chunks.last(c) in runs:
-                    held += chunks.SIZE
-                    continue
-                chunk = chunks.get(c)
-                for k in chunk:
-                    mask = blocks.get(k)
-                    if mask is None:
-                        break
-                    t = FASTEST_TIER[mask]
-                    if t > worst:
-                        worst = t
-                    held += 1
-                else:
-                    if not worst and len(chunk) == chunks.SIZE:
-                        if len(runs) >= _MAX_RUNS:
-                            runs.clear()
-                        runs.add(chunk[-1])
-                    continue
-                break
+            held, worst = _held(blocks, st.runs, chunks) if blocks else (0, 0)  # a cold node is not scanned
             load = loads.get(nid)
             if load is not None:
                 load.expire(now)
