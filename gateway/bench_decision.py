@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import statistics
 import time
 
@@ -91,11 +92,15 @@ class _Case:
 
 async def run(sizes: list[int], requests: int) -> dict[int, dict[str, dict[str, float]]]:
     """Every size, with no node holding the chat ("cold") and with one holding its history
-    ("held"), measured request by request in turn, so that the machine's drift weighs on all alike."""
+    ("held"), measured request by request in turn (in a shuffled order), so that the machine's
+    drift weighs on all alike."""
     make = Bodies(MODEL)
     cases = {(size, held): await _Case.make(make, size, requests, held=held) for size in sizes for held in (False, True)}
+    order = list(cases.values())
+    rng = random.Random(0)
     for turn in range(3, requests + 3):
-        for case in cases.values():
+        rng.shuffle(order)  # none always follows the largest, whose passes flush the CPU's caches
+        for case in order:
             await case.route(case.bodies[turn])
             await case.steps_of(case.bodies[turn])
     return {size: {"cold": cases[size, False].figures(), "held": cases[size, True].figures()} for size in sizes}
