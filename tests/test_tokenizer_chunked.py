@@ -139,3 +139,29 @@ def test_prompt_size_limit_counts_every_chunk(pt: PromptTokenizer) -> None:
     pt.prepare(CHAT, body, max_text_bytes=size)
     with pytest.raises(PromptTooLarge):
         pt.prepare(CHAT, body, max_text_bytes=size - 1)
+
+
+def test_a_kept_chunks_token_ids_are_kept_with_it() -> None:
+    """A continuing chat's history piece is found by its chunk, without hashing it for the
+    segment cache: emptied, the cache misses only what is not kept with a chunk."""
+    enc = SegmentedEncoder(VARIANTS["deepseek"](), cache_bytes=1 << 20)
+    history = "<｜User｜>" + "Überseehafen shipments left port 7 on time. " * 300
+    chunks = ["<｜begin▁of▁sentence｜>", history, "<｜Assistant｜>"]
+    whole = enc.tokenizer.encode("".join(chunks), add_special_tokens=False).ids
+    for _ in range(4):  # encoded, kept from its second sighting, its IDs kept on the third
+        assert enc.complete(enc.plan_chunks(chunks, add_special_tokens=False)).tolist() == whole
+    enc.cache.clear()
+    plan = enc.plan_chunks(chunks, add_special_tokens=False)
+    assert plan.missing == [] and enc.complete(plan).tolist() == whole
+    edited = [chunks[0], history.replace("port 7", "port 8", 1), chunks[2]]
+    plan = enc.plan_chunks(edited, add_special_tokens=False)  # another text: not found by the chunk
+    assert len(plan.missing) == 1
+    assert enc.complete(plan).tolist() == enc.tokenizer.encode("".join(edited), add_special_tokens=False).ids
+
+
+def test_clearing_the_cache_forgets_kept_chunks_too(pt: PromptTokenizer) -> None:
+    body = _chat("Shipment 5 left port 2 on time. " * 400, 1)
+    for _ in range(4):
+        pt.tokenize_body(CHAT, body)
+    pt.clear_cache()
+    assert len(pt.missing_pieces(pt.prepare(CHAT, body))) >= 1

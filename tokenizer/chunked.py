@@ -27,6 +27,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
+
 from tokenizer.segments import AddedTokenSplitter
 
 _Cut = tuple[int, int, int]  # (start, end, token id)
@@ -43,13 +45,19 @@ _MAX_WALK = 16  # candidates stepped over looking for a boundary near a chunk's 
 @dataclass(slots=True)
 class _Layout:
     """How one long chunk is cut: its own cuts between its boundaries ``a`` and ``b``, and the
-    pieces already sliced out of it (by span), so that a chunk seen again is not sliced again."""
+    pieces already sliced out of it (by span) and their token IDs, so that a chunk seen again is
+    neither sliced nor looked up in the segment cache again."""
 
     text: str
     a: int
     b: int
     cuts: list[_Cut]
     slices: dict[tuple[int, int], str] = field(default_factory=dict)
+    ids: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # token IDs of those, once known
+
+
+Origin = tuple[_Layout, tuple[int, int]]
+"""Where a piece was sliced from: a kept long chunk and the span, under which its IDs can be kept."""
 
 
 class ChunkSplitter:
@@ -74,9 +82,20 @@ class ChunkSplitter:
 
     def split(self, chunks: list[str]) -> list[str | int]:
         """Pieces of ``"".join(chunks)``: exactly ``splitter.split`` of it."""
+        return self.split_known(chunks)[0]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._memo.clear()
+            self._seen.clear()
+            self._bytes = 0
+
+    def split_known(self, chunks: list[str]) -> tuple[list[str | int], dict[int, Origin]]:
+        """``split``, and for the pieces sliced out of a kept chunk (by index) where they came
+        from: their token IDs can be kept there (``Origin``)."""
         splitter = self.splitter
         if not splitter.enabled or self._firsts is None or not any(len(c) >= self.long_chars for c in chunks):
-            return splitter.split("".join(chunks))
+            return splitter.split("".join(chunks)), {}
         cuts: list[_Cut] = []
         layouts: dict[int, _Layout] = {}  # chunk index -> its layout
         group: list[str] = []  # short text since the last boundary, cut as a whole
@@ -114,7 +133,7 @@ class ChunkSplitter:
             return None
         a, b = bounds
         layout = _Layout(chunk, a, b, self.splitter.cuts(chunk, a, b))
-        cost = _text_bytes(chunk) * 2  # the text kept, and the pieces sliced out of it
+        cost = _cost(chunk)
         with self._lock:  # kept from its second sighting on: a prompt seen once would only evict
             seen = key in self._seen
             self._seen[key] = None
@@ -125,12 +144,12 @@ class ChunkSplitter:
             with self._lock:
                 old = self._memo.pop(key, None)
                 if old is not None:
-                    self._bytes -= _text_bytes(old.text) * 2
+                    self._bytes -= _cost(old.text)
                 self._memo[key] = layout
                 self._bytes += cost
                 while self._bytes > self._memo_bytes:
                     _, dropped = self._memo.popitem(last=False)
-                    self._bytes -= _text_bytes(dropped.text) * 2
+                    self._bytes -= _cost(dropped.text)
         return layout
 
     def _next(self, text: str, start: int) -> int:
@@ -179,8 +198,10 @@ def _shifted(cuts: list[_Cut], by: int) -> list[_Cut]:
     return [(s + by, e + by, t) for s, e, t in cuts] if by else cuts
 
 
-def _text_bytes(text: str) -> int:
-    return len(text) * (1 if text.isascii() else 2)
+def _cost(chunk: str) -> int:
+    """Bytes a kept chunk costs: its text, the pieces sliced out of it, and their token IDs
+    (four bytes a token, fewer tokens than characters)."""
+    return len(chunk) * (3 if chunk.isascii() else 5)
 
 
 class _Pieces:
@@ -191,20 +212,22 @@ class _Pieces:
         self.chunks = chunks
         self.layouts = layouts
         self.starts = [0, *accumulate(map(len, chunks))]
+        self.origins: dict[int, Origin] = {}  # piece index -> the kept chunk it was sliced from
 
-    def between(self, cuts: list[_Cut], length: int) -> list[str | int]:
+    def between(self, cuts: list[_Cut], length: int) -> tuple[list[str | int], dict[int, Origin]]:
         pieces: list[str | int] = []
         pos = 0
         for start, end, token_id in cuts:
             if start > pos:
-                pieces.append(self.text(pos, start))
+                pieces.append(self.text(pos, start, len(pieces)))
             pieces.append(token_id)
             pos = end
         if pos < length:
-            pieces.append(self.text(pos, length))
-        return pieces
+            pieces.append(self.text(pos, length, len(pieces)))
+        return pieces, self.origins
 
-    def text(self, start: int, end: int) -> str:
+    def text(self, start: int, end: int, index: int) -> str:
+        """The text of ``[start, end)``, which will be piece ``index``."""
         starts, chunks = self.starts, self.chunks
         i = bisect_right(starts, start) - 1  # the chunk holding ``start`` (never an empty one)
         lo = start - starts[i]
@@ -219,6 +242,7 @@ class _Pieces:
             piece = layout.slices.get((lo, hi))
             if piece is None:
                 piece = layout.slices[(lo, hi)] = chunk[lo:hi]
+            self.origins[index] = (layout, (lo, hi))
             return piece
         parts = [chunks[i][lo:]]
         j = i + 1

@@ -95,21 +95,27 @@ class SegmentedEncoder:
         (``chunked``): a template's output chunks, for one."""
         if add_special_tokens and self._prefix is None:
             return EncodePlan([], [], whole_text="".join(chunks))
-        pieces = self.chunks.split(chunks)
-        texts = [p for p in pieces if isinstance(p, str)]
+        pieces, origins = self.chunks.split_known(chunks)
+        known = {i: ids for i, (layout, span) in origins.items() if (ids := layout.ids.get(span)) is not None}
+        texts = [p for i, p in enumerate(pieces) if isinstance(p, str) and i not in known]
         found = iter(self.cache.get_many(texts))
         parts: list[np.ndarray | str] = []
         missing: dict[str, None] = {}
         size = 0  # UTF-8 bytes, from the pieces: the text itself is often UCS-2 (the template's
         # special tokens) and encoding it whole to measure it cost ~1 ms at 128k tokens
         token_bytes = self._token_bytes
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             if isinstance(piece, int):
                 parts.append(self._token_array(piece))
                 size += token_bytes[piece]
                 continue
             size += len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
-            ids = next(found)
+            ids = known.get(i)
+            if ids is None:
+                ids = next(found)
+                if ids is not None and i in origins:  # kept with the chunk: no lookup next time
+                    layout, span = origins[i]
+                    layout.ids[span] = ids
             if ids is None:
                 missing[piece] = None
                 parts.append(piece)

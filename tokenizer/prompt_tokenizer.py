@@ -161,6 +161,7 @@ class PromptTokenizer:
 
     def clear_cache(self) -> None:
         self._encoder.cache.clear()
+        self._encoder.chunks.clear()
 
     @property
     def cache_stats(self) -> CacheStats:
