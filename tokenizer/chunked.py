@@ -6,7 +6,8 @@ ones. Joining them into one text and cutting that at added tokens costs passes o
 history per request (at 128k tokens ~0.1 ms, most of it Python copying an ASCII content out of a
 text that the template's non-ASCII special tokens made two bytes a character). Here each long
 chunk is cut on its own, and the cut of a long chunk met before (the same text, checked for
-equality, memory speed; kept from its second sighting, so one-off prompts do not evict) is reused with the piece strings already sliced out of it.
+equality at memory speed; kept from its second sighting, so one-off prompts do not evict it) is
+reused with the pieces already sliced out of it and their token IDs.
 
 Why this is exact: ``AddedTokenSplitter`` matches added tokens left to right, leftmost-longest,
 and a match is at most ``L`` characters long (the longest added token). Call a position *p* of
@@ -234,12 +235,11 @@ class _Pieces:
         if end <= starts[i + 1]:
             chunk = chunks[i]
             hi = end - starts[i]
-            if lo == 0 and hi == len(chunk):
-                return chunk
+            whole = lo == 0 and hi == len(chunk)
             layout = self.layouts.get(i)
             if layout is None:
-                return chunk[lo:hi]
-            piece = layout.slices.get((lo, hi))
+                return chunk if whole else chunk[lo:hi]
+            piece = layout.text if whole else layout.slices.get((lo, hi))  # the kept text: equal
             if piece is None:
                 piece = layout.slices[(lo, hi)] = chunk[lo:hi]
             self.origins[index] = (layout, (lo, hi))
