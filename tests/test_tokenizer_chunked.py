@@ -152,8 +152,10 @@ def test_a_kept_chunks_token_ids_are_kept_with_it() -> None:
     for _ in range(4):  # encoded, kept from its second sighting, its IDs kept on the third
         assert enc.complete(enc.plan_chunks(chunks, add_special_tokens=False)).tolist() == whole
     enc.cache.clear()
+    hits = enc.cache.stats.hits
     plan = enc.plan_chunks(chunks, add_special_tokens=False)
     assert plan.missing == [] and enc.complete(plan).tolist() == whole
+    assert enc.cache.stats.hits == hits + 1  # still counted as found (the metric)
     edited = [chunks[0], history.replace("port 7", "port 8", 1), chunks[2]]
     plan = enc.plan_chunks(edited, add_special_tokens=False)  # another text: not found by the chunk
     assert len(plan.missing) == 1

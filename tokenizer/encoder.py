@@ -99,6 +99,8 @@ class SegmentedEncoder:
         known = {i: ids for i, (layout, span) in origins.items() if (ids := layout.ids.get(span)) is not None}
         texts = [p for i, p in enumerate(pieces) if isinstance(p, str) and i not in known]
         found = iter(self.cache.get_many(texts))
+        if known:
+            self.cache.count_hits(len(known))
         parts: list[np.ndarray | str] = []
         missing: dict[str, None] = {}
         size = 0  # UTF-8 bytes, from the pieces: the text itself is often UCS-2 (the template's
