@@ -177,6 +177,38 @@ async def test_stops_at_first_missing_block(backend: Backend) -> None:
     assert cached(await d.lookup(keys)) == {"a": 0}
 
 
+async def test_a_long_prefix_looked_up_again_reflects_every_change_since(backend: Backend) -> None:
+    """A continuing chat's history is looked up turn after turn: the in-process directory then
+    skips the chunks of keys it found held before, which must never hide a change."""
+    d = backend.make()
+    keys = chain(1100)
+    longer = keys + chain(300, salt=7)
+    await d.register_node(node("a"))
+    await d.record_stored("a", keys)
+    for _ in range(2):
+        view = await d.lookup(longer)
+        assert (view.nodes[0].cached_blocks, view.nodes[0].tier) == (1100, Tier.GPU)
+    if backend.name == "memory":
+        assert d._nodes["a"].runs  # the held chunks were remembered
+    assert cached(await d.lookup(keys[:512] + chain(40, salt=3))) == {"a": 512}
+    await d.record_removed("a", keys[600:601])
+    assert cached(await d.lookup(longer)) == {"a": 600}
+    await d.record_stored("a", keys[600:601])
+    assert cached(await d.lookup(longer)) == {"a": 1100}
+    await d.record_stored("a", keys[:300], Tier.CPU)  # offloaded, still in GPU memory too
+    assert (await d.lookup(longer)).nodes[0].tier is Tier.GPU
+    await d.record_removed("a", keys[100:101], Tier.GPU)  # now on CPU only
+    view = await d.lookup(longer)
+    assert (view.nodes[0].cached_blocks, view.nodes[0].tier) == (1100, Tier.CPU)
+    await d.record_stored("a", keys[100:101], Tier.GPU)
+    for _ in range(2):
+        assert (await d.lookup(longer)).nodes[0].tier is Tier.GPU
+    await d.replace_node("a", {Tier.GPU: keys[:700]})
+    assert cached(await d.lookup(longer)) == {"a": 700}
+    await d.clear_node("a")
+    assert cached(await d.lookup(longer)) == {"a": 0}
+
+
 async def test_writes_are_idempotent(backend: Backend) -> None:
     d = backend.make()
     keys = chain(6)

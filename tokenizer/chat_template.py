@@ -175,6 +175,12 @@ class ChatTemplate:
 
     def render(self, messages: Any, *, add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """Prompt text for ``messages``; template errors and bad messages raise ``InvalidPrompt``."""
+        return concat(self.render_chunks(messages, add_generation_prompt=add_generation_prompt, **kwargs))
+
+    def render_chunks(self, messages: Any, *, add_generation_prompt: bool = True, **kwargs: Any) -> list[str]:
+        """``render``'s text as the pieces the template emitted, in order (their concatenation is
+        the text): a long message's content stays a string of its own, which the splitter can cut
+        without first copying it into one text with the template's (often non-ASCII) special tokens."""
         normalized = normalize_messages(messages)
         variables = {
             **self._globals,
@@ -191,7 +197,7 @@ class ChatTemplate:
             context = new_context(
                 template.environment, template.name, template.blocks, variables, shared=True, globals=self._globals
             )
-            return concat(template.root_render_func(context))
+            return list(template.root_render_func(context))
         except jinja2.TemplateError as exc:
             raise InvalidPrompt(f"chat template rejected the messages: {exc}") from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 from tokenizers import Tokenizer
 
+from tokenizer.chunked import ChunkSplitter
 from tokenizer.errors import InvalidPrompt
 from tokenizer.lru import ByteBoundedLRU
 from tokenizer.segments import AddedTokenSplitter
@@ -51,10 +52,11 @@ class EncodePlan:
 class SegmentedEncoder:
     """Cached, exact text encoding for one tokenizer; safe to call from several threads."""
 
-    def __init__(self, tokenizer: Tokenizer, *, cache_bytes: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, *, cache_bytes: int, chunk_memo_bytes: int = 64 << 20) -> None:
         self.tokenizer = tokenizer
         self.cache = ByteBoundedLRU(cache_bytes)
         self.splitter = AddedTokenSplitter(tokenizer)
+        self.chunks = ChunkSplitter(self.splitter, memo_bytes=chunk_memo_bytes)
         self._batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
         self._token_arrays: dict[int, np.ndarray] = {}
         self._token_bytes = self.splitter.token_utf8_lengths()
@@ -86,23 +88,36 @@ class SegmentedEncoder:
 
     def plan(self, text: str, *, add_special_tokens: bool) -> EncodePlan:
         """Split and look up; no tokenization happens here."""
+        return self.plan_chunks([text], add_special_tokens=add_special_tokens)
+
+    def plan_chunks(self, chunks: list[str], *, add_special_tokens: bool) -> EncodePlan:
+        """``plan`` of ``"".join(chunks)``, whose long chunks are cut without joining them
+        (``chunked``): a template's output chunks, for one."""
         if add_special_tokens and self._prefix is None:
-            return EncodePlan([], [], whole_text=text)
-        pieces = self.splitter.split(text)
-        texts = [p for p in pieces if isinstance(p, str)]
+            return EncodePlan([], [], whole_text="".join(chunks))
+        pieces, origins = self.chunks.split_known(chunks)
+        known = {i: ids for i, (layout, span) in origins.items() if (ids := layout.ids.get(span)) is not None}
+        texts = [p for i, p in enumerate(pieces) if isinstance(p, str) and i not in known]
         found = iter(self.cache.get_many(texts))
+        if known:
+            self.cache.count_hits(len(known))
         parts: list[np.ndarray | str] = []
         missing: dict[str, None] = {}
         size = 0  # UTF-8 bytes, from the pieces: the text itself is often UCS-2 (the template's
         # special tokens) and encoding it whole to measure it cost ~1 ms at 128k tokens
         token_bytes = self._token_bytes
-        for piece in pieces:
+        for i, piece in enumerate(pieces):
             if isinstance(piece, int):
                 parts.append(self._token_array(piece))
                 size += token_bytes[piece]
                 continue
             size += len(piece) if piece.isascii() else len(piece.encode("utf-8", "surrogatepass"))
-            ids = next(found)
+            ids = known.get(i)
+            if ids is None:
+                ids = next(found)
+                if ids is not None and i in origins:  # kept with the chunk: no lookup next time
+                    layout, span = origins[i]
+                    layout.ids[span] = ids
             if ids is None:
                 missing[piece] = None
                 parts.append(piece)

