@@ -28,6 +28,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from directory_client import InProcessDirectory, NodeInfo, Tier
 from directory_client import memory as memory_directory
+from tests.test_tokenizer_segments import VARIANTS
 from tokenizer import PromptTokenizer
 from tokenizer.chunked import LONG_CHUNK_CHARS, ChunkSplitter
 from tokenizer.encoder import SegmentedEncoder
@@ -136,6 +137,16 @@ def test_a_continuing_chat_edited_in_place_tokenizes_as_the_engine_does(pt: Prom
     for h in (edited, history, edited):
         body = _chat(h, "And now?")
         assert _ours(pt, CHAT, body) == _engine_ids(pt, CHAT, body)
+
+
+def test_a_long_completions_prompt_resent_and_edited_tokenizes_as_the_engine_does(pt: PromptTokenizer) -> None:
+    """``/v1/completions`` sends one text (one chunk, encoded with the post-processor's tokens):
+    resent, kept, edited by one character and resent, its IDs stay the engine's."""
+    text = "<｜User｜>" + FILLER * 80 + "<｜end▁of▁"
+    edited = text[:1500] + "<" + text[1501:]
+    for prompt in (text, text, text, text, edited, text, edited):
+        body = {"model": "m", "prompt": prompt}
+        assert _ours(pt, COMPLETIONS, body) == _engine_ids(pt, COMPLETIONS, body)
 
 
 def test_a_one_character_edit_outside_the_fingerprint_is_not_served_from_the_memo(pt: PromptTokenizer) -> None:
@@ -363,6 +374,21 @@ def test_random_added_token_sets_cut_and_encode_chunk_by_chunk_as_whole(specs: l
     for _ in range(4):  # unseen, seen once, kept, kept with IDs
         assert enc.chunks.split(chunks) == enc.splitter.split(text)
         assert enc.complete(enc.plan_chunks(chunks, add_special_tokens=False)).tolist() == whole
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kept_chunks_inside_the_post_processors_tokens(variant: str) -> None:
+    """The post-processor's tokens (BOS/EOS) go around kept and reused chunks, for every small
+    tokenizer of the segment tests: the IDs equal the tokenizer's own encode with them."""
+    enc = SegmentedEncoder(VARIANTS[variant](), cache_bytes=1 << 20)
+    enc.chunks = ChunkSplitter(enc.splitter, long_chars=24)
+    body = "a word here <s> the quick brown fox <mask> jumps [RS] over the lazy dog " * 3
+    chunks = ["<|im_start|>", "user " + body, "<|im_end|>", "<", "s>" + body + "<|im", "_end|>"]
+    text = "".join(chunks)
+    for special in (True, False, True, True):
+        want = enc.tokenizer.encode(text, add_special_tokens=special).ids
+        for _ in range(3):
+            assert enc.complete(enc.plan_chunks(chunks, add_special_tokens=special)).tolist() == want
 
 
 # -- directory ------------------------------------------------------------------------------------
