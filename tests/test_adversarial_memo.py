@@ -198,6 +198,7 @@ def test_an_added_token_across_message_edges_with_the_same_long_message_twice() 
         assert _ours(tok, CHAT, body) == _engine_ids(tok, CHAT, body)
     eos = tok.hf_tokenizer.token_to_id("<｜end▁of▁sentence｜>")
     assert _ours(tok, CHAT, {"model": "m", "messages": messages}).count(eos) == 2
+    assert tok._encoder.chunks.hits > 0
 
 
 def test_template_options_on_one_memo_each_tokenize_as_the_engine_does(pt: PromptTokenizer) -> None:
@@ -226,20 +227,23 @@ def test_template_options_on_one_memo_each_tokenize_as_the_engine_does(pt: Promp
             "tools": [big_tool],
         },
     ]
+    hits = pt._encoder.chunks.hits
     for _ in range(4):
         for body in bodies:
             assert _ours(pt, CHAT, body) == _engine_ids(pt, CHAT, body)
+    assert pt._encoder.chunks.hits > hits
 
 
 def test_a_memo_smaller_than_one_request_evicts_mid_request_and_stays_exact() -> None:
-    """A bound that holds one long chunk: a request with two different long histories evicts the
-    first kept chunk while the second is kept, in both orders, turn after turn."""
+    """A bound that holds one long chunk: a request with two different long histories (the first
+    one twice) is served the kept first one, evicts it to keep the second, then evicts that to
+    keep the first again; in both orders, turn after turn."""
     a = FILLER * 80
     b = "Überseehafen 港口 émission ➜ port 9. " * 130
-    cost_of_one = len("<｜User｜>" + a) * 3  # an ASCII chunk's accounted cost
+    cost_of_one = max(len(a), len(b)) * 5 + 100  # a chunk with non-ASCII text (the marker) costs 5 a character
     tok = PromptTokenizer(chunk_memo_bytes=cost_of_one)
-    for turn in range(6):
-        first, second = (a, b) if turn % 2 else (b, a)
+    for turn in range(8):
+        first, second = (a, b) if turn < 4 else (b, a)  # each request evicts the chunk it began with
         body = {
             "model": "m",
             "messages": [
@@ -251,7 +255,8 @@ def test_a_memo_smaller_than_one_request_evicts_mid_request_and_stays_exact() ->
             ],
         }
         assert _ours(tok, CHAT, body) == _engine_ids(tok, CHAT, body)
-        assert tok._encoder.chunks._bytes <= cost_of_one
+        assert tok._encoder.chunks._bytes <= cost_of_one and len(tok._encoder.chunks._memo) <= 1
+    assert tok._encoder.chunks.hits > 0  # kept chunks were served between the evictions
 
 
 def test_concurrent_requests_from_threads_get_their_own_ids() -> None:
@@ -276,6 +281,7 @@ def test_concurrent_requests_from_threads_get_their_own_ids() -> None:
     with ThreadPoolExecutor(8) as pool:
         results = [r for rs in pool.map(run, range(8)) for r in rs]
     assert [i for i, ok in results if not ok] == []
+    assert tok._encoder.chunks.hits > 0
 
 
 def test_concurrent_async_requests_through_the_executor_get_their_own_ids() -> None:
@@ -295,6 +301,7 @@ def test_concurrent_async_requests_through_the_executor_get_their_own_ids() -> N
 
     got = asyncio.run(main())
     assert got == expected * 4
+    assert tok._encoder.chunks.hits > 0
 
 
 def test_a_lone_surrogate_in_a_kept_chunk_is_refused_every_time(pt: PromptTokenizer) -> None:
