@@ -240,7 +240,10 @@ def test_a_memo_smaller_than_one_request_evicts_mid_request_and_stays_exact() ->
     keep the first again; in both orders, turn after turn."""
     a = FILLER * 80
     b = "Überseehafen 港口 émission ➜ port 9. " * 130
-    cost_of_one = max(len(a), len(b)) * 5 + 100  # a chunk with non-ASCII text (the marker) costs 5 a character
+    from tokenizer.chunked import _cost
+
+    # a chunk is the marker (non-ASCII: two bytes a character) and the content, cut a few times at most
+    cost_of_one = max(_cost("\uff5c" + a, 8), _cost("\uff5c" + b, 8)) + 1024
     tok = PromptTokenizer(chunk_memo_bytes=cost_of_one)
     for turn in range(8):
         first, second = (a, b) if turn < 4 else (b, a)  # each request evicts the chunk it began with
@@ -327,9 +330,9 @@ def _plain_bpe(path: Path) -> Tokenizer:
 
 def test_a_tokenizer_without_added_tokens_tokenizes_a_long_prompt(tmp_path: Path) -> None:
     """A tokenizer.json with no added tokens (nothing to cut at): a completions prompt or a chat
-    message of 4096+ characters must still tokenize. On h18b it raises ``ValueError: max() arg is
-    an empty sequence`` from ``ChunkSplitter._prev``: the user's request fails (a 5xx / fail-open)
-    for every long prompt, while short prompts work."""
+    message of 4096+ characters must still tokenize. Before the fix it raised ``ValueError: max()
+    arg is an empty sequence`` from ``ChunkSplitter._prev``: every long prompt failed open (no
+    affinity), while short prompts worked."""
     hf = _plain_bpe(tmp_path / "tokenizer.json")
     tok = PromptTokenizer(tmp_path / "tokenizer.json", chat_template=CONCAT_TEMPLATE)
     text = "the quick brown fox jumps over the lazy dog. " * 120
@@ -601,8 +604,9 @@ def _kept_bytes(tok: PromptTokenizer) -> int:
 def test_the_kept_chunks_stay_within_their_byte_bound_for_non_ascii_chats(sentence: str) -> None:
     """``chunk_memo_bytes`` bounds what the kept chunks hold. Chinese chats (two bytes a character
     in Python, ~0.7 tokens a character) and emoji (four bytes a character, several tokens each)
-    are accounted at 5 bytes a character: on h18b the memo really holds ~1.3x (Chinese) and ~2.7x
-    (emoji) its bound, so a gateway configured for 64 MiB keeps ~85-170 MiB of chunks."""
+    were accounted at 5 bytes a character: the memo really held ~1.3x (Chinese) and ~2.7x (emoji)
+    its bound, so a gateway configured for 64 MiB kept ~85-170 MiB of chunks. Now a kept chunk is
+    charged an upper bound of what it may hold."""
     bound = 1 << 20
     tok = PromptTokenizer(chunk_memo_bytes=bound)
     for i in range(40):

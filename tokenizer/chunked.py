@@ -22,6 +22,7 @@ text, chunk boundaries inside and around added tokens included.
 
 from __future__ import annotations
 
+import sys
 import threading
 from bisect import bisect_right
 from collections import OrderedDict
@@ -95,7 +96,7 @@ class ChunkSplitter:
         """``split``, and for the pieces sliced out of a kept chunk (by index) where they came
         from: their token IDs can be kept there (``Origin``)."""
         splitter = self.splitter
-        if not splitter.enabled or self._firsts is None or not any(len(c) >= self.long_chars for c in chunks):
+        if not splitter.enabled or not self._firsts or not any(len(c) >= self.long_chars for c in chunks):
             return splitter.split("".join(chunks)), {}
         cuts: list[_Cut] = []
         layouts: dict[int, _Layout] = {}  # chunk index -> its layout
@@ -134,7 +135,7 @@ class ChunkSplitter:
             return None
         a, b = bounds
         layout = _Layout(chunk, a, b, self.splitter.cuts(chunk, a, b))
-        cost = _cost(chunk)
+        cost = _cost(chunk, len(layout.cuts))
         with self._lock:  # kept from its second sighting on: a prompt seen once would only evict
             seen = key in self._seen
             self._seen[key] = None
@@ -145,12 +146,12 @@ class ChunkSplitter:
             with self._lock:
                 old = self._memo.pop(key, None)
                 if old is not None:
-                    self._bytes -= _cost(old.text)
+                    self._bytes -= _cost(old.text, len(old.cuts))
                 self._memo[key] = layout
                 self._bytes += cost
                 while self._bytes > self._memo_bytes:
                     _, dropped = self._memo.popitem(last=False)
-                    self._bytes -= _cost(dropped.text)
+                    self._bytes -= _cost(dropped.text, len(dropped.cuts))
         return layout
 
     def _next(self, text: str, start: int) -> int:
@@ -199,10 +200,15 @@ def _shifted(cuts: list[_Cut], by: int) -> list[_Cut]:
     return [(s + by, e + by, t) for s, e, t in cuts] if by else cuts
 
 
-def _cost(chunk: str) -> int:
-    """Bytes a kept chunk costs: its text, the pieces sliced out of it, and their token IDs
-    (four bytes a token, fewer tokens than characters)."""
-    return len(chunk) * (3 if chunk.isascii() else 5)
+_PIECE_BYTES = 256  # a slice's and an ID array's object headers and their dict entries, per cut
+
+
+def _cost(chunk: str, cuts: int) -> int:
+    """Bytes a kept chunk may hold at most: its text, the pieces sliced out of it (no wider than
+    the text), and their token IDs (four bytes a token, a token at least one UTF-8 byte: emoji
+    take several tokens a character). Charged in full when kept, so the bound holds in memory."""
+    utf8 = len(chunk) if chunk.isascii() else len(chunk.encode("utf-8", "surrogatepass"))
+    return 2 * sys.getsizeof(chunk) + 4 * utf8 + (cuts + 1) * _PIECE_BYTES
 
 
 class _Pieces:
