@@ -86,6 +86,5 @@ def test_the_tail_rule_never_delays_a_split_still_arriving() -> None:
     policy = warmed(make_policy("kvgate", link="rdma"), tail_s=1.0)
     policy.pending_arrivals.add("d2", at=100.2, blocks=1_000, until=105.0)
     rnd = decide_round(policy, request(23_000), DirectoryView(fleet), PROFILE, now=100.0, answer_tokens=32)
-    assert rnd.decision.node is not None and rnd.decision.node.node_id != "d2" or rnd.decision.prefill is not None, (
-        rnd.decision.reason)
+    assert "aggregated d3" in rnd.decision.reason, rnd.decision.reason  # serving whole, d3 (here a split beat it)
     assert "served where it comes soonest" not in rnd.decision.reason

@@ -175,12 +175,11 @@ class KvgatePolicy:
 
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, ranked)
-        soonest = None
-        if disaggregated:
-            soonest = tail_first(top[0], costs, delays, tail_s=self.first_token_tail.p99_s,
+        soonest, passed = None, top[0]
+        if disaggregated:  # a first token near the recent p99 comes where it comes soonest (gateway.policy.whole)
+            soonest = tail_first(passed, costs, delays, tail_s=self.first_token_tail.p99_s,
                                  ttft_slack=self.split_ttft_slack, tie_tolerance_s=tol)
             if soonest is not None:
-                passed = top[0]
                 top = [soonest, *(i for i in top if i != soonest)][: len(top)]
         slack = self.session_slack_long if request.retention == "long" else self.session_slack
         kept = keep_session(top, costs, nodes, request.session_node, slack, tol)
@@ -232,7 +231,6 @@ class KvgatePolicy:
             + spared(blocking, costs, credits, chosen_i)
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
-
 
     def _decode_interference(
         self, request: RoutingRequest, nodes: tuple[NodeView, ...], costs: list[CandidateCost], est: TtftEstimator,
