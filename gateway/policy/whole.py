@@ -21,7 +21,9 @@ one whose first token is already near the recent p99 (``tail_s``, ``FirstTokenTa
 longest documents went to decode nodes with a prefill queued, the split then looked sooner, and
 its transfer (60+ ms for a 23k-token prompt over RDMA) put it among the slowest first tokens. So
 ``tail_first`` serves such a request on the node where its first token comes soonest, counting
-the interference and the first tokens of splits still arriving there that it would delay.
+the interference and the first tokens of splits still arriving there that it would delay. Until a
+replica has seen enough first tokens to know the tail (``FirstTokenTail.warmup``), every request
+counts as near it.
 """
 
 from __future__ import annotations
