@@ -76,6 +76,10 @@ class PendingArrivals:
         """Blocks still on their way to ``node_id``: once landed, the node's KV events count them."""
         return sum(a.blocks for a in self._by_node.get(node_id, ()) if a.at > now)
 
+    def landed_tokens(self, node_id: str, now: float, block_size: int) -> int:
+        """Prompt tokens of the splits answering on ``node_id`` (landed, not yet done): KV each decode step reads."""
+        return sum(a.blocks for a in self._by_node.get(node_id, ()) if a.at <= now) * block_size
+
     def with_pending_memory(self, view: DirectoryView, now: float) -> DirectoryView:
         """``view`` with each node's block total raised by the KV about to land there."""
         if not self._by_node:

@@ -44,6 +44,17 @@ tokens are out, and a split of one of the longest prompts would join the slowest
 (simulate, mixed, 4P+4D, RDMA, seeds 0–11: TTFT p99 against 8 aggregated nodes +9.9 → +7.1 ms on
 average, time per token unchanged).
 
+The node serving a request whole is chosen knowing the roles (``gateway.policy.whole``): it is
+charged what the decodes running there add to each chunk of its prefill, and a request whose first
+token is near the recent p99 goes where that first token comes soonest, never waiting for a node the
+ranking prefers for others' sake (answering splits, memory). Before, the longest documents were
+ranked onto decode nodes with a prefill queued, a split then looked sooner, and its transfer put it
+among the slowest first tokens (simulate, mixed, RDMA, against 8 aggregated nodes, TTFT p99 / TPOT
+p99, mean of seeds 0–11: 4P+4D +7.1 → +3.6 ms / −2.5 → −3.5 ms; seeds 12–23: +7.1 → +3.7 ms /
+−3.4 → −3.7 ms; 2P+6D within the noise, +1.5 → +2.0 and +1.4 → +0.6 ms / −6.8 → −6.9 and −7.3 →
+−7.9 ms). Pricing the stall itself in the whole-request choice (the node with fewer decodes, under
+the split's first-token guard) did not help: +7.0 ms / −2.4 ms at 4P+4D.
+
 The best pair is among the few soonest or cheapest of each side (a node cannot pair with itself),
 so the search stays linear in the fleet. A split must beat the aggregated decision by more than
 the tie tolerance. Splitting is considered only in a fleet that declared roles (some node is not

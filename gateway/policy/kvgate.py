@@ -56,6 +56,7 @@ from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimato
 from gateway.policy.disagg import DEFAULT_TTFT_SLACK, FirstTokenTail
 from gateway.policy.memory import DEFAULT_MEMORY_VALUE, MemoryPricing
 from gateway.policy.warmup import DEFAULT_WARMUP_CREDIT, DEFAULT_WARMUP_LINK_SHARE, DEFAULT_WARMUP_S, WarmUp
+from gateway.policy.whole import interference_s, tail_first
 from gateway.profile import HardwareProfile
 from gateway.types import CandidateCost, Decision, Outcome, PullPlan, RoutingRequest
 
@@ -132,8 +133,11 @@ class KvgatePolicy:
         self.work_value = float(work_value)  # prefill spent beyond the least, priced by how busy the fleet is
 
     def decide(
-        self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float
+        self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float,
+        disaggregated: bool = False,
     ) -> Decision:
+        """The cheapest node (module docstring). ``disaggregated``: ``view`` holds the nodes of a fleet
+        with prefill/decode roles that may serve the request whole (``gateway.policy.whole``)."""
         nodes = view.nodes
         if not nodes:
             return no_nodes(self.name)
@@ -162,8 +166,21 @@ class KvgatePolicy:
             for i, seconds in work.items():
                 ranked[i] = ranked.get(i, 0.0) - seconds
 
+        delays: dict[int, float] = {}  # disaggregated: first-token delays the ranking does not see
+        if disaggregated:
+            ranked, delays = self._decode_interference(request, nodes, costs, est, profile, ranked, now)
+            if blocking:
+                for i, delay in self.pending_arrivals.blocking_s(nodes, costs, now, landed=False).items():
+                    delays[i] = delays.get(i, 0.0) + delay
+
         # A partial ranking keeps this O(n); at least two, so the reason can name the runner-up.
         top = rank_candidates(costs, nodes, tol, max(self.fallbacks, 1) + 1, request.affinity, ranked)
+        soonest, passed = None, top[0]
+        if disaggregated:  # a first token near the recent p99 comes where it comes soonest (gateway.policy.whole)
+            soonest = tail_first(passed, costs, delays, tail_s=self.first_token_tail.p99_s,
+                                 ttft_slack=self.split_ttft_slack, tie_tolerance_s=tol)
+            if soonest is not None:
+                top = [soonest, *(i for i in top if i != soonest)][: len(top)]
         slack = self.session_slack_long if request.retention == "long" else self.session_slack
         kept = keep_session(top, costs, nodes, request.session_node, slack, tol)
         if kept is not None:
@@ -207,11 +224,35 @@ class KvgatePolicy:
             candidates=tuple(costs),
             reason=("keeps its session's node; " if kept is not None else "")
             + (f"warms new node {chosen.node_id} (credit {credits[chosen_i]:.3f} s); " if warmed else "")
+            + (f"first token near the recent p99: served where it comes soonest, not {costs[passed].node_id}; "
+               if soonest is not None and chosen_i == soonest else "")
             + (f"delays splits arriving or answering here by {blocking[chosen_i] * 1e3:.1f}ms; " if chosen_i in blocking else "")
             + spent(work, costs, ranked, chosen_i)
             + spared(blocking, costs, credits, chosen_i)
             + explain(outcome, chosen, alt, plan, request, max_cached, self.link),
         )
+
+    def _decode_interference(
+        self, request: RoutingRequest, nodes: tuple[NodeView, ...], costs: list[CandidateCost], est: TtftEstimator,
+        profile: HardwareProfile, ranked: dict[int, float], now: float,
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """(``ranked`` charged, index -> seconds) the decodes running on each candidate add to its
+        prefill (``gateway.policy.whole.interference_s``; the KV they read known for splits only)."""
+        added: dict[int, float] = {}
+        for i, (nv, c) in enumerate(zip(nodes, costs, strict=True)):
+            if nv.load.inflight <= 0:
+                continue
+            context = self.pending_arrivals.landed_tokens(nv.node.node_id, now, request.block_size)
+            new_tokens = max(request.prompt_tokens - est.cached_tokens(c.cached_blocks), 1)  # at least one, always
+            seconds = interference_s(profile, nv.load.inflight, context, new_tokens)
+            if seconds > 0:
+                added[i] = seconds
+        if not added:
+            return ranked, added
+        charged = dict(ranked)
+        for i, seconds in added.items():
+            charged[i] = charged.get(i, 0.0) - seconds
+        return charged, added
 
 
 def added_work(nodes: tuple[NodeView, ...], costs: list[CandidateCost], value: float) -> dict[int, float]:
