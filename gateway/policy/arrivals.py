@@ -21,7 +21,8 @@ Decisions use it twice:
   nodes' running answers: counting it less lowered the TTFT p99 of 4P+4D fleets but raised their
   time-per-token p99 above aggregated serving's on 7 of 12 seeds). The policy adds it to the
   candidate's score, so a long prompt goes to a decode node with nothing arriving or answering
-  (a short one delays them by one step at most);
+  (a short one delays them by one step at most) — unless its first token is near the recent p99:
+  then only the splits still arriving count (``gateway.policy.whole.tail_first``);
 - ``pending_blocks`` is the KV memory a node is about to receive: counted in that node's block
   total for memory pricing until its KV events report it.
 """
