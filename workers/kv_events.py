@@ -235,27 +235,15 @@ def _event_from_raw(raw: object) -> KVEvent:
     return AllBlocksCleared()
 
 
-class _StoredArray(msgspec.Struct, frozen=True, gc=False, array_like=True, tag="BlockStored"):
+class _StoredArray(BlockStored, frozen=True, gc=False, array_like=True, tag="BlockStored"):
     """``BlockStored`` in the positional form (older vLLM, SGLang), for the typed decoder."""
 
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[TokenId]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+
+class _RemovedArray(BlockRemoved, frozen=True, gc=False, array_like=True, tag="BlockRemoved"):
+    pass
 
 
-class _RemovedArray(msgspec.Struct, frozen=True, gc=False, array_like=True, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _ClearedArray(msgspec.Struct, frozen=True, gc=False, array_like=True, tag="AllBlocksCleared"):
+class _ClearedArray(AllBlocksCleared, frozen=True, gc=False, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
@@ -276,14 +264,11 @@ _array_batch_decoder = msgspec.msgpack.Decoder(_ArrayBatch)
 
 
 def _from_array(ev: _StoredArray | _RemovedArray | _ClearedArray) -> KVEvent:
-    if isinstance(ev, _StoredArray):
-        return BlockStored(
-            ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, ev.lora_id, ev.medium,
-            ev.lora_name, ev.extra_keys, ev.group_idx,
-        )  # fmt: skip
-    if isinstance(ev, _RemovedArray):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
-    return AllBlocksCleared()
+    """The event as the map form's type (the positional one is a subclass, and not equal to it)."""
+    return _BASE_TYPE[type(ev)](*msgspec.structs.astuple(ev))
+
+
+_BASE_TYPE: dict[type, type] = {_StoredArray: BlockStored, _RemovedArray: BlockRemoved, _ClearedArray: AllBlocksCleared}
 
 
 def _decode_typed(payload: bytes | bytearray | memoryview) -> DecodedBatch | None:
