@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 from prometheus_client import REGISTRY
 
 from directory_client import open_directory
@@ -230,6 +232,70 @@ def test_map_is_bounded() -> None:
         m.apply(stored([4], tokens(48, 1), parent=3))
 
 
+def test_map_applies_a_long_run_in_slices_that_chain_like_one() -> None:
+    """A long prompt's blocks applied a slice at a time (the bridge yields to the event loop
+    between slices): each pause leaves a prefix of the run, and the keys are the run's own."""
+    prompt = tokens(0, 600)
+    m = new_map(max_blocks=10_000)
+    steps = m.apply_steps(stored(list(range(1, 601)), prompt), 256)
+    sizes = []
+    with pytest.raises(StopIteration):
+        while True:
+            next(steps)
+            sizes.append(len(m))
+    assert sizes == [256, 512]
+    whole = new_map(max_blocks=10_000)
+    whole.apply(stored(list(range(1, 601)), prompt))
+    assert m.snapshot() == whole.snapshot() == {Tier.GPU: keys_of(prompt)}
+    removal = m.apply_steps(BlockRemoved(block_hashes=list(range(1, 601))), 256)
+    next(removal)
+    assert len(m) == 600 - 256
+    assert list(removal) == [None] and len(m) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    hst.lists(
+        hst.tuples(hst.sampled_from(["stored", "removed", "cleared", "flush"]), hst.integers(1, 6), hst.integers(0, 40),
+                   hst.sampled_from(["GPU", "CPU", None]), hst.sampled_from([None, 1])),
+        max_size=30,
+    )
+)
+def test_map_writes_are_its_changes_grouped_per_tier(ops: list) -> None:
+    """``take_writes`` (what the bridge flushes) says exactly what ``take_changes`` says."""
+    a, b = new_map(), new_map()
+    for kind, n, start, medium, group in ops:
+        if kind == "flush":
+            cleared, changes = a.take_changes()
+            writes = b.take_writes()
+            expect_stored: dict[Tier, set[int]] = {}
+            expect_removed: dict[Tier, set[int]] = {}
+            for c in changes:
+                for t in c.stored:
+                    expect_stored.setdefault(t, set()).add(c.key)
+                for t in c.removed:
+                    expect_removed.setdefault(t, set()).add(c.key)
+            if writes is None:
+                assert not cleared and not changes
+            else:
+                assert writes.cleared == cleared
+                assert {t: set(k) for t, k in writes.stored.items()} == expect_stored
+                assert {t: set(k) for t, k in writes.removed.items()} == expect_removed
+                assert all(len(k) == len(set(k)) for k in [*writes.stored.values(), *writes.removed.values()])
+            continue
+        ev: BlockStored | BlockRemoved | AllBlocksCleared
+        if kind == "stored":  # hashes start..start+n name tokens from a few distinct runs: keys get shared and reused
+            ev = BlockStored(
+                block_hashes=list(range(start, start + n)), parent_block_hash=None, token_ids=tokens(1000 * (start % 3), n),
+                block_size=BS, medium=medium, group_idx=group,
+            )  # fmt: skip
+        elif kind == "removed":
+            ev = BlockRemoved(block_hashes=list(range(start, start + n)), medium=medium, group_idx=group)
+        else:
+            ev = AllBlocksCleared()
+        assert a.apply(ev) == b.apply(ev)
+
+
 def test_map_memory_per_tracked_block() -> None:
     """What each replica pays per engine block it follows (issue: 361 B as objects, 4M blocks per
     node by default = 1.4 GB): now plain ints, bounded by max_blocks_per_node (default 1M)."""
@@ -325,6 +391,39 @@ async def test_bridge_mirrors_stores_and_removals(directory: Directory, node_id:
         assert lag_count == 3 and 0 <= lag_sum < 3 * 5.0
     eng.pub.close()
     assert not await live(directory, node_id)  # aclose deregistered it
+
+
+async def test_a_long_batch_is_applied_with_the_event_loop_running_between_slices(directory: Directory, node_id: str) -> None:
+    """The bridges share kvgate serve's event loop with the decisions: a batch of thousands of
+    blocks (a long prompt stored, a big eviction) is applied STEP_BLOCKS at a time, and a task
+    that only runs when the loop is free sees it half applied, a prefix at each step."""
+    eng = Engine(node_id)
+    n = 3 * KVEventBridge.STEP_BLOCKS + 10
+    prompt = tokens(5000, n)
+    async with make_bridge(directory, eng) as bridge:
+        await connected(bridge, directory, node_id)
+        eng.pub.publish([stored(list(range(1, n + 1)), prompt)])
+        seen: list[int] = []
+        deadline = time.monotonic() + 10
+        while not seen or seen[-1] != n:  # one look per turn of the loop
+            assert time.monotonic() < deadline, f"only {seen[-1:]} of {n} blocks applied"
+            tracked = bridge.stats(node_id).tracked_blocks
+            if not seen or tracked != seen[-1]:
+                seen.append(tracked)
+            await asyncio.sleep(0)
+        step = KVEventBridge.STEP_BLOCKS
+        assert seen == [0, step, 2 * step, 3 * step, n]
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(prompt)), n), what="every block recorded")
+        eng.pub.publish([BlockRemoved(block_hashes=list(range(1, n + 1)))])
+        seen = []
+        while not seen or seen[-1] != 0:
+            assert time.monotonic() < deadline, "removal not applied"
+            tracked = bridge.stats(node_id).tracked_blocks
+            if not seen or tracked != seen[-1]:
+                seen.append(tracked)
+            await asyncio.sleep(0)
+        assert seen == [n, n - step, n - 2 * step, n - 3 * step, 0]
+    eng.pub.close()
 
 
 async def _eq(value: Awaitable[int], expected: int) -> bool:

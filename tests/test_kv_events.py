@@ -7,6 +7,7 @@ import hashlib
 import time
 
 import msgpack
+import msgspec
 import pytest
 import zmq
 from hypothesis import given, settings
@@ -20,6 +21,9 @@ from workers.kv_events import (
     DecodedBatch,
     KVEventDecodeError,
     KVEventPublisher,
+    _decode_tolerant,
+    _decode_typed,
+    _event_to_wire,
     decode_batch,
     decode_seq,
     encode_batch,
@@ -353,6 +357,56 @@ def test_arbitrary_msgpack_raises_only_the_typed_error(obj: object) -> None:
 def test_arbitrary_events_in_a_good_batch_never_break_it(raw_events: list) -> None:
     batch = decode_batch(pack([1.0, raw_events, 0]))
     assert len(batch.events) + len(batch.rejected) == len(raw_events)
+
+
+int_hashes = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1))
+
+
+@st.composite
+def wire_events(draw: st.DrawFn) -> object:
+    """One event as it goes on the wire, in either form, often with one field swapped for any
+    msgpack value (a bool token, a negative block size, a string where a list belongs...)."""
+    ev = draw(events())
+    if not isinstance(ev, AllBlocksCleared):  # ints only, so the typed decoder gets its chance
+        ev = msgspec.structs.replace(ev, block_hashes=draw(st.lists(int_hashes, min_size=len(ev.block_hashes), max_size=len(ev.block_hashes))))
+    wire = _event_to_wire(ev, draw(st.sampled_from(["map", "array"])))
+    if draw(st.booleans()):
+        if isinstance(wire, dict):
+            wire[draw(st.sampled_from(sorted(wire)))] = draw(msgpack_values)
+        elif len(wire) > 1:
+            wire[draw(st.integers(1, len(wire) - 1))] = draw(msgpack_values)
+    return wire
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(wire_events(), max_size=5), st.one_of(st.none(), st.integers(0, 3)), st.booleans())
+def test_typed_decoding_reads_exactly_what_the_tolerant_decoder_reads(raw_events: list, rank: int | None, ts_int: bool) -> None:
+    """Most batches are decoded by msgspec's typed decoder (tokens checked in C); it must never
+    read a batch otherwise than the field-by-field decoder, nor accept one that decoder rejects
+    an event of."""
+    payload = pack([1 if ts_int else 1.5, raw_events] + ([] if rank is None else [rank]))
+    typed = _decode_typed(payload)
+    tolerant = _decode_tolerant(payload)
+    if typed is not None:
+        assert typed == tolerant and typed.rejected == ()
+    assert decode_batch(payload) == (typed if typed is not None else tolerant)
+
+
+def test_typed_decoding_takes_the_common_batches() -> None:
+    """vLLM's map form and SGLang's array form, int hashes (negative ones too), both decode typed."""
+    evs = [
+        BlockStored(block_hashes=[1, -2], parent_block_hash=-3, token_ids=list(range(32)), block_size=16, medium="GPU"),
+        BlockRemoved(block_hashes=[-5], medium="GPU"),
+        AllBlocksCleared(),
+    ]
+    for wire_format in ("map", "array"):
+        typed = _decode_typed(encode_batch(evs, ts=2.0, wire_format=wire_format))  # type: ignore[arg-type]
+        assert typed is not None
+        stored, removed, cleared = typed.events
+        assert stored.block_hashes == [1, 2**64 - 2] and stored.parent_block_hash == 2**64 - 3
+        assert removed.block_hashes == [2**64 - 5] and isinstance(cleared, AllBlocksCleared)
+    bool_token = pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [True] * 16, "block_size": 16}]])
+    assert _decode_typed(bool_token) is None and decode_batch(bool_token).rejected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field, replace
 
 import zmq
@@ -379,17 +379,41 @@ class NodeBlockMap:
         return cleared, out
 
     def take_writes(self) -> DirectoryWrites | None:
-        """The directory calls that bring the node up to date since the previous call (None: none)."""
-        cleared, changes = self.take_changes()
-        if not cleared and not changes:
-            return None
+        """The directory calls that bring the node up to date since the previous call (None: none).
+
+        ``take_changes`` grouped per tier, without its per-key objects: a flush after a long
+        prompt's blocks touches thousands of keys."""
+        cleared, touched, holders = self.cleared, self._touched, self._holders
+        self._touched, self.cleared = {}, False
         writes = DirectoryWrites(cleared)
-        for change in changes:
-            for tier in change.removed:
-                writes.removed.setdefault(tier, []).append(change.key)
-            for tier in change.stored:
-                writes.stored.setdefault(tier, []).append(change.key)
+        gpu_stored: list[BlockKey] = []
+        gpu_removed: list[BlockKey] = []
+        for key, before in touched.items():
+            counts = holders.get(key, 0)
+            after = (1 if counts else 0) if counts <= _COUNT_MASK else _mask(counts)  # GPU-only: no _mask
+            if after == before:
+                continue
+            if before | after == 1:  # the common case: a key entering or leaving the GPU alone
+                (gpu_stored if after else gpu_removed).append(key)  # type: ignore[arg-type]
+                continue
+            for tier in _TIERS:
+                b = 1 << tier
+                if after & b and not before & b:
+                    writes.stored.setdefault(tier, []).append(key)  # type: ignore[arg-type]
+                elif before & b and not after & b:
+                    writes.removed.setdefault(tier, []).append(key)  # type: ignore[arg-type]
+        if gpu_stored:
+            writes.stored.setdefault(Tier.GPU, []).extend(gpu_stored)
+        if gpu_removed:
+            writes.removed.setdefault(Tier.GPU, []).extend(gpu_removed)
+        if not cleared and not writes.stored and not writes.removed:
+            return None
         return writes
+
+    def drop_changes(self) -> None:
+        """Forget what changed since the previous ``take_changes`` (the node is rewritten whole,
+        or another bridge writes it)."""
+        self._touched, self.cleared = {}, False
 
     def snapshot(self) -> dict[Tier, list[BlockKey]]:
         """Every key held, per tier (for rewriting the node from scratch)."""
@@ -409,10 +433,23 @@ class NodeBlockMap:
 
         ``AllBlocksCleared`` resets the map. Raises ``BlockMapOverflow`` past ``max_blocks``.
         """
+        steps = self.apply_steps(event, 0)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value
+
+    def apply_steps(self, event: KVEvent, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
+        """``apply`` a slice of at most ``step_blocks`` blocks at a time (0: all at once), pausing
+        between slices, so a caller on an event loop can let other work in during a long run of
+        blocks. Between two slices the map holds a prefix of the event's blocks: what it would
+        hold had the engine published them as several events. The generator returns ``apply``'s
+        value."""
         if isinstance(event, BlockStored):
-            return self._stored(event)
+            return (yield from self._stored(event, step_blocks))
         if isinstance(event, BlockRemoved):
-            self._removed(event)
+            yield from self._removed(event, step_blocks)
             return None
         self.reset()
         return None
@@ -427,7 +464,7 @@ class NodeBlockMap:
             seed = self._seeds[lora_name] = namespace_seed(self._model, lora=lora_name)
         return seed
 
-    def _stored(self, ev: BlockStored) -> tuple[str, int] | None:
+    def _stored(self, ev: BlockStored, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
         n = len(ev.block_hashes)
         if not ev.token_ids and n:
             return self._stored_without_tokens(ev)
@@ -446,13 +483,29 @@ class NodeBlockMap:
             if parent is None:
                 return ("unknown_parent", n)
             parent_key = parent >> _TIER_BITS
-        tokens = ev.token_ids if keyable == n else ev.token_ids[: keyable * self._block_size]
-        keys = block_keys(tokens, block_size=self._block_size, seed=self._seed(ev.lora_name, salt), parent=parent_key)
-        tier = Tier.from_medium(ev.medium)
+        chain = self._seed(ev.lora_name, salt) if parent_key is None else parent_key
+        tier, size = Tier.from_medium(ev.medium), self._block_size
+        step = step_blocks if 0 < step_blocks < keyable else keyable
+        for lo in range(0, keyable, step):
+            if lo:
+                yield  # a slice done: the caller may let other work in
+            hi = min(lo + step, keyable)
+            whole = lo == 0 and hi == n  # no copies of the lists
+            tokens = ev.token_ids if whole else ev.token_ids[lo * size : hi * size]
+            keys = block_keys(tokens, block_size=size, seed=chain)
+            self._store_run(ev.block_hashes if whole else ev.block_hashes[lo:hi], keys, ev.group_idx, tier)
+            chain = keys[-1]  # the next slice continues this one's chain
+        return None if keyable == n else ("extra_keys", n - keyable)
+
+    def _store_run(self, hashes: Sequence[int], keys: Sequence[int], group_idx: int | None, tier: Tier) -> None:
+        """Record consecutive blocks (engine hash, key) as held on ``tier``: the per-block loop,
+        kept to dict operations on plain ints."""
         bit = 1 << tier
-        by_hash = self._by_hash
-        for engine_hash, key in zip(ev.block_hashes, keys):
-            slot = _slot(engine_hash, ev.group_idx)
+        delta = 1 << (tier * _COUNT_BITS)
+        group = (group_idx or 0) << 64  # _slot, inlined
+        by_hash, holders, touched = self._by_hash, self._holders, self._touched
+        for engine_hash, key in zip(hashes, keys):
+            slot = engine_hash | group
             held = by_hash.get(slot)
             if held is not None and held >> _TIER_BITS != key:
                 self._forget(slot, held)  # same engine hash, other tokens: the engine reused it
@@ -463,8 +516,10 @@ class NodeBlockMap:
                 held = key << _TIER_BITS
             if not held & bit:
                 by_hash[slot] = held | bit
-                self._count(key, tier, +1)
-        return None if keyable == n else ("extra_keys", n - keyable)
+                counts = holders.get(key, 0)  # _count(key, tier, +1), inlined
+                if key not in touched:
+                    touched[key] = _mask(counts)
+                holders[key] = counts + delta
 
     def _stored_without_tokens(self, ev: BlockStored) -> tuple[str, int] | None:
         """A copy (CPU offload) announced by engine hash alone: the blocks we keyed when they were
@@ -482,20 +537,24 @@ class NodeBlockMap:
                 self._count(held >> _TIER_BITS, tier, +1)
         return ("no_tokens", unknown) if unknown else None
 
-    def _removed(self, ev: BlockRemoved) -> None:
+    def _removed(self, ev: BlockRemoved, step_blocks: int) -> Generator[None, None, None]:
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
-        for engine_hash in ev.block_hashes:
-            slot = _slot(engine_hash, ev.group_idx)
-            held = self._by_hash.get(slot)
+        group = (ev.group_idx or 0) << 64  # _slot, inlined
+        by_hash = self._by_hash
+        for i, engine_hash in enumerate(ev.block_hashes):
+            if step_blocks and i and not i % step_blocks:
+                yield
+            slot = engine_hash | group
+            held = by_hash.get(slot)
             if held is None or not held & bit:
                 continue  # never announced to us (or already gone): nothing to undo
             held &= ~bit
             self._count(held >> _TIER_BITS, tier, -1)
             if held & _TIERS_MASK:
-                self._by_hash[slot] = held
+                by_hash[slot] = held
             else:
-                del self._by_hash[slot]
+                del by_hash[slot]
 
     def _forget(self, slot: int, held: int) -> None:
         for tier in _TIERS:
@@ -596,6 +655,19 @@ class NodeStats:
     replay_failures: int
 
 
+@dataclass(frozen=True, slots=True)
+class _BatchMetrics:
+    """A node's children of the metrics every batch updates (``labels()`` takes a lock and a
+    lookup each time). Counters and histograms only: gauges are removed on close."""
+
+    batches: Counter
+    event_lag: Histogram
+
+    @classmethod
+    def of(cls, node: str) -> _BatchMetrics:
+        return cls(BATCHES.labels(node), EVENT_LAG.labels(node))
+
+
 @dataclass(eq=False)
 class _Stream:
     """Mutable state of one followed engine."""
@@ -603,6 +675,7 @@ class _Stream:
     spec: EngineSpec
     info: NodeInfo
     blocks: NodeBlockMap
+    metrics: _BatchMetrics
     expected: int | None = None  # next sequence number to apply; None = not in step
     last_live: int | None = None  # last live seq on the current connection
     connected: bool = False
@@ -638,6 +711,8 @@ class KVEventBridge:
     """Follow engines' KV events and mirror their caches into ``directory`` (see module doc)."""
 
     _WRITE_CHUNK = 4096  # keys per directory call when rewriting a node
+    STEP_BLOCKS = 256
+    """Blocks of live events applied between two yields to the event loop (~0.2 ms of work)."""
 
     def __init__(
         self,
@@ -688,7 +763,9 @@ class KVEventBridge:
         for spec in engines:
             cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else DEFAULT_MAX_BLOCKS_PER_NODE)
             blocks = NodeBlockMap(model=spec.model or model, block_size=block_size, max_blocks=cap)
-            self._streams[spec.node_id] = _Stream(spec=spec, info=spec.node_info(model), blocks=blocks)
+            self._streams[spec.node_id] = _Stream(
+                spec=spec, info=spec.node_info(model), blocks=blocks, metrics=_BatchMetrics.of(spec.node_id)
+            )
         self._collector = collector
         self._routes: dict[bytes, _Stream] = {}  # collector topic -> stream
         ambiguous: set[bytes] = set()
@@ -831,6 +908,9 @@ class KVEventBridge:
         poller = zmq.asyncio.Poller()
         poller.register(monitor, zmq.POLLIN)
         poller.register(sub, zmq.POLLIN)
+        # plain (blocking-API) views of the same sockets: what is queued is read without a
+        # future per message (pyzmq's asyncio recv costs about what applying a small batch does)
+        sub_now, monitor_now = zmq.Socket.shadow(sub.underlying), zmq.Socket.shadow(monitor.underlying)
         try:
             while True:
                 ready = dict(await poller.poll())
@@ -841,19 +921,29 @@ class KVEventBridge:
                         await _discard_queued(sub)  # from the lost connection; we resync on reconnect
                     continue
                 if sub in ready:
-                    frames = await sub.recv_multipart()
-                    try:
-                        await self._on_message(st, frames)
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception:  # a bug must not stop the node's event stream
-                        log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
-                        self._count_malformed(st)
+                    await self._drain(st, sub_now, monitor_now)
         finally:
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _drain(self, st: _Stream, sub: zmq.Socket, monitor: zmq.Socket) -> None:
+        """Apply the batches queued on ``sub``, one per turn of the event loop, until none is left
+        or the connection changed (the caller's poll handles that first)."""
+        while not monitor.get(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                await self._on_message(st, frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug must not stop the node's event stream
+                log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
+                self._count_malformed(st)
+            await asyncio.sleep(0)  # a burst of batches never holds the loop: decisions go between them
 
     async def _on_monitor(self, st: _Stream, event: dict[str, object]) -> None:
         if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -912,6 +1002,7 @@ class KVEventBridge:
                 except Exception:  # a bug must not stop every collected node's events
                     log.exception("node %s: failed to apply a KV-event message", st.spec.node_id)
                     self._count_malformed(st)
+                await asyncio.sleep(0)  # queued messages are read without yielding: yield here
         finally:
             sock.close(linger=0)
 
@@ -951,7 +1042,7 @@ class KVEventBridge:
         elif seq > st.expected:
             await self._repair_gap(st, seq)
         if seq == st.expected:
-            self._apply(st, seq, frames[2])
+            await self._apply_live(st, seq, frames[2])
             st.expected = seq + 1
         # seq < expected: a replay already delivered it
 
@@ -1053,6 +1144,19 @@ class KVEventBridge:
             sock.close(linger=0)
 
     def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
+        """Apply one batch at once (catching up and repairing gaps: nothing may see it half done)."""
+        for _ in self._apply_steps(st, seq, payload):
+            pass
+
+    async def _apply_live(self, st: _Stream, seq: int, payload: bytes) -> None:
+        """Apply one live batch, letting the event loop run between slices of ``STEP_BLOCKS``
+        blocks: the bridges share the loop with the decisions, and a long prompt's batch (or
+        an eviction of thousands of blocks) must not hold a decision up for all of its blocks."""
+        for _ in self._apply_steps(st, seq, payload):
+            await asyncio.sleep(0)
+
+    def _apply_steps(self, st: _Stream, seq: int, payload: bytes) -> Generator[None, None, None]:
+        """Apply a batch, pausing after each slice of ``STEP_BLOCKS`` blocks (see ``_apply_live``)."""
         node = st.spec.node_id
         # a batch we cannot read may have removed blocks: like a gap that replay cannot fill,
         # the node is cleared (routed by load) and rebuilt from what the engine stores next
@@ -1072,24 +1176,36 @@ class KVEventBridge:
             log.warning("node %s: batch seq %d: dropped %s", node, seq, "; ".join(batch.rejected[:5]))
             REJECTED_EVENTS.labels(node).inc(len(batch.rejected))
             st.rejected += len(batch.rejected)
+        step = self.STEP_BLOCKS
+        used = 0  # blocks worked since the last pause
         for event in batch.events:
             if isinstance(event, AllBlocksCleared):
                 self._reset(st, "all_blocks_cleared")
                 continue
+            n = len(event.block_hashes)
+            if used and used + n > step:
+                yield
+                used = 0
             if isinstance(event, BlockStored) and event.token_ids and Tier.from_medium(event.medium) is Tier.GPU:
                 self._learn_block_size(st, event.block_size)
+            steps = st.blocks.apply_steps(event, step)
             try:
-                dropped = st.blocks.apply(event)
+                while True:
+                    next(steps)
+                    yield
+            except StopIteration as done:
+                dropped = done.value
             except BlockMapOverflow as exc:
                 log.error("node %s: %s; clearing the node", node, exc)
                 self._reset(st, "overflow")
                 continue
+            used = used + n if n <= step else (n - 1) % step + 1  # its last slice, when it had several
             if dropped is not None:
                 reason, count = dropped
                 DROPPED_BLOCKS.labels(node, reason).inc(count)
                 st.dropped += count
-        BATCHES.labels(node).inc()
-        EVENT_LAG.labels(node).observe(max(time.time() - batch.ts, 0.0))
+        st.metrics.batches.inc()
+        st.metrics.event_lag.observe(max(time.time() - batch.ts, 0.0))
         st.batches += 1
         TRACKED_BLOCKS.labels(node).set(len(st.blocks))
         if st.blocks.pending or st.blocks.cleared:
@@ -1169,17 +1285,17 @@ class KVEventBridge:
     async def _flush_once(self, st: _Stream) -> None:
         node = st.spec.node_id
         if not st.writer:
-            st.blocks.take_changes()  # another bridge writes this node; we rewrite it if we take over
+            st.blocks.drop_changes()  # another bridge writes this node; we rewrite it if we take over
             return
         if st.degraded:  # entries withheld: the node is routed by load alone until it recovers
-            st.blocks.take_changes()
+            st.blocks.drop_changes()
             if st.rewrite_all:
                 await self._directory.replace_node(node, {})
                 st.rewrite_all = False
                 st.liveness_changed.set()  # registration waits for the rewrite
             return
         if st.rewrite_all:
-            st.blocks.take_changes()  # the snapshot below supersedes them
+            st.blocks.drop_changes()  # the snapshot below supersedes them
             snapshot = st.blocks.snapshot()
             if st.authoritative:
                 await self._directory.replace_node(node, snapshot)
@@ -1213,7 +1329,7 @@ class KVEventBridge:
             log.warning("node %s: directory unavailable (%s); will rewrite the node when it is back", st.spec.node_id, exc)
         st.rewrite_all = True
         st.registered = False
-        st.blocks.take_changes()
+        st.blocks.drop_changes()
 
     async def _hold_lease(self, st: _Stream) -> None:
         """Take or renew the node's writer lease; a bridge that gains it rewrites the node."""
