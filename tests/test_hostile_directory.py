@@ -212,6 +212,25 @@ async def test_a_dead_cluster_shard_holding_the_registry_costs_no_lookup_its_bud
             await d.aclose()
 
 
+@contextlib.asynccontextmanager
+async def _one_shard_dead(prefix: str):
+    """A directory on a fresh Redis Cluster, one node registered on a primary that is then killed
+    and one on the registry's (live) primary: (directory, node on the dead shard, node on a live one)."""
+    from tests.redis_servers import redis_cluster
+
+    with redis_cluster() as (url, servers):
+        d = open_directory(url, key_prefix=prefix, op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
+        try:
+            nodes, registry_port = _shard_nodes(prefix, servers)
+            dead = next(s for s in servers if s.port != registry_port)
+            on_dead, on_live = nodes[dead.port][0], nodes[registry_port][0]
+            await _register(d, [on_dead, on_live])
+            dead.kill()
+            yield d, on_dead, on_live
+        finally:
+            await d.aclose()
+
+
 def _shard_nodes(prefix: str, servers, per_shard: int = 1) -> tuple[dict[int, list[str]], int]:
     """Node ids whose keys live on each primary (by port), and the port holding the registry."""
     from redis.crc import key_slot
@@ -249,32 +268,21 @@ async def test_a_call_refused_for_a_dead_shard_does_not_wedge_the_circuit() -> N
     refused at once (the shard is known down) without an answer either way. Before: the breaker
     counted that neither as a success nor a failure, so its probe never ended and the circuit
     refused every call, on every shard, until the process restarted. Now the next call probes."""
-    from tests.redis_servers import redis_cluster
-
-    with redis_cluster() as (url, servers):
-        d = open_directory(url, key_prefix="wedge", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
-        try:
-            nodes, registry_port = _shard_nodes("wedge", servers)
-            dead = next(s for s in servers if s.port != registry_port)
-            on_dead, on_live = nodes[dead.port][0], nodes[registry_port][0]
-            await _register(d, [on_dead, on_live])
-            dead.kill()
-            await asyncio.gather(*(d.heartbeat(on_dead) for _ in range(d.breaker.threshold)), return_exceptions=True)
-            assert d.breaker.is_open
-            await asyncio.sleep(d.breaker.retry_in_s + 0.05)
-            with pytest.raises(DirectoryUnavailable, match="ShardDown"):
-                await d.heartbeat(on_dead)  # the probe, refused before it is sent
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    await d.heartbeat(on_live)
-                    break
-                except DirectoryUnavailable as e:
-                    assert time.monotonic() < deadline, f"the circuit never let a call through again: {e}"
-                    await asyncio.sleep(0.1)
-            assert not d.breaker.is_open
-        finally:
-            await d.aclose()
+    async with _one_shard_dead("wedge") as (d, on_dead, on_live):
+        await asyncio.gather(*(d.heartbeat(on_dead) for _ in range(d.breaker.threshold)), return_exceptions=True)
+        assert d.breaker.is_open
+        await asyncio.sleep(d.breaker.retry_in_s + 0.05)
+        with pytest.raises(DirectoryUnavailable, match="ShardDown"):
+            await d.heartbeat(on_dead)  # the probe, refused before it is sent
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await d.heartbeat(on_live)
+                break
+            except DirectoryUnavailable as e:
+                assert time.monotonic() < deadline, f"the circuit never let a call through again: {e}"
+                await asyncio.sleep(0.1)
+        assert not d.breaker.is_open
 
 
 async def test_a_session_on_a_dead_cluster_shard_costs_its_hint_not_every_lookup() -> None:
@@ -460,28 +468,17 @@ async def test_plain_calls_on_a_dead_shard_are_refused_once_it_is_known_down() -
     shard down. What the caller sees now: the first call fails open and marks the shard down, the
     next are refused at once ("ShardDown") until the background probe finds it answering, and calls
     on live shards go on."""
-    from tests.redis_servers import redis_cluster
-
-    with redis_cluster() as (url, servers):
-        d = open_directory(url, key_prefix="plain", op_timeout_s=0.3, index_stride=1, heartbeat_ttl_s=600)
-        try:
-            nodes, registry_port = _shard_nodes("plain", servers)
-            dead = next(s for s in servers if s.port != registry_port)
-            on_dead, on_live = nodes[dead.port][0], nodes[registry_port][0]
-            await _register(d, [on_dead, on_live])
-            dead.kill()
-            with pytest.raises(DirectoryUnavailable) as first:
-                await d.writer(on_dead)
-            assert "ShardDown" not in str(first.value)  # this one was sent, and found the shard dead
-            assert gauge("kvgate_directory_shards_down") == 1
-            for call in (lambda: d.writer(on_dead), lambda: d.hot_prefixes(on_dead, 4), lambda: d.clear_node(on_dead)):
-                with pytest.raises(DirectoryUnavailable, match="ShardDown"):
-                    await call()
-            assert await d.writer(on_live) is None  # the live shards answer
-            assert await d.draining() == frozenset()
-            assert not d.breaker.is_open
-        finally:
-            await d.aclose()
+    async with _one_shard_dead("plain") as (d, on_dead, on_live):
+        with pytest.raises(DirectoryUnavailable) as first:
+            await d.writer(on_dead)
+        assert "ShardDown" not in str(first.value)  # this one was sent, and found the shard dead
+        assert gauge("kvgate_directory_shards_down") == 1
+        for call in (lambda: d.writer(on_dead), lambda: d.hot_prefixes(on_dead, 4), lambda: d.clear_node(on_dead)):
+            with pytest.raises(DirectoryUnavailable, match="ShardDown"):
+                await call()
+        assert await d.writer(on_live) is None  # the live shards answer
+        assert await d.draining() == frozenset()
+        assert not d.breaker.is_open
 
 
 @pytest.mark.parametrize("seen_down_first", [False, True])

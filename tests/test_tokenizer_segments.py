@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre
 
 from tokenizer.encoder import SegmentedEncoder
 from tokenizer.loading import load_tokenizer
+from tokenizer.segments import pieces_between
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -221,15 +222,7 @@ def reference_split(splitter, text: str) -> list[str | int]:
             cuts.append((s, e, tok.id))
         gap_from = e
     cut_gap(gap_from, len(text))
-    pieces, pos = [], 0
-    for s, e, token_id in cuts:
-        if s > pos:
-            pieces.append(text[pos:s])
-        pieces.append(token_id)
-        pos = e
-    if pos < len(text):
-        pieces.append(text[pos:])
-    return pieces
+    return pieces_between(text, cuts)
 
 
 def test_deepseek_splits_at_chat_markers_and_keeps_user_text_whole() -> None:

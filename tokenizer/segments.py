@@ -210,16 +210,7 @@ class AddedTokenSplitter:
         """Pieces of ``text`` in order; never an empty string. Disabled: ``[text]``."""
         if not self.enabled:
             return [text] if text else []
-        pieces: list[str | int] = []
-        pos = 0
-        for start, end, token_id in self.cuts(text):
-            if start > pos:
-                pieces.append(text[pos:start])
-            pieces.append(token_id)
-            pos = end
-        if pos < len(text):
-            pieces.append(text[pos:])
-        return pieces
+        return pieces_between(text, self.cuts(text))
 
     def cuts(self, text: str, start: int = 0, end: int | None = None) -> list[tuple[int, int, int]]:
         """``(start, end, token id)`` of every cut ``split`` makes in ``text[start:end]``, in order
@@ -286,3 +277,18 @@ class AddedTokenSplitter:
                 self.enabled = False
                 self.reason = f"per-piece encoding differs from whole encoding on {probe!r}"
                 return
+
+
+def pieces_between(text: str, cuts: list[tuple[int, int, int]]) -> list[str | int]:
+    """``text`` as the pieces between ``cuts`` (``(start, end, token id)``, in order) and the cuts'
+    token IDs; never an empty string."""
+    pieces: list[str | int] = []
+    pos = 0
+    for start, end, token_id in cuts:
+        if start > pos:
+            pieces.append(text[pos:start])
+        pieces.append(token_id)
+        pos = end
+    if pos < len(text):
+        pieces.append(text[pos:])
+    return pieces
