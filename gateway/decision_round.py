@@ -135,13 +135,9 @@ def decide_round(
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
     splits = roles and isinstance(policy, KvgatePolicy) and policy.disaggregate  # balancers never split
-    if splits:  # the whole-request choice of a P/D fleet (gateway.policy.whole)
-        decision = policy.decide(request, aggregated_view(view, decode_serves_whole=whole_on_decode), profile,
-                                 now=now, disaggregated=True)
-    else:
-        decision = policy.decide(
-            request, aggregated_view(view, decode_serves_whole=whole_on_decode) if roles else view, profile, now=now
-        )
+    whole_view = aggregated_view(view, decode_serves_whole=whole_on_decode) if roles else view
+    # the whole-request choice of a P/D fleet is its own (gateway.policy.whole); other policies know no such flag
+    decision = policy.decide(request, whole_view, profile, now=now, **({"disaggregated": True} if splits else {}))
     if splits:
         tail = policy.first_token_tail
         aggregated_ttft = min((c.total_s for c in decision.candidates if decision.node and c.node_id == decision.node.node_id), default=None)
