@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from gateway.envoy_config import EnvoySettings, render_bootstrap
-from tests.conftest import free_port
+from tests.conftest import free_ports
 from tests.redis_servers import RedisProcess
 from tests.support.http import eventually, get_json
 from tests.support.procs import Proc, wait_for_port
@@ -72,17 +72,18 @@ class ChaosFleet:
         self.tmp = Path(tempfile.mkdtemp(prefix="kvgate-chaos-"))
         self.key_prefix = f"kvgate-chaos:{uuid.uuid4().hex[:10]}"
         self.time_scale = time_scale
-        self.redis = RedisProcess(free_port(), self.tmp / "redis")
-        self.workers = [Worker(f"w{i + 1}", free_port(), free_port(), free_port(), free_port()) for i in range(workers)]
+        ports = iter(free_ports(1 + 4 * workers + 2 * replicas + 2))  # distinct: no two servers on one port
+        self.redis = RedisProcess(next(ports), self.tmp / "redis")
+        self.workers = [Worker(f"w{i + 1}", next(ports), next(ports), next(ports), next(ports)) for i in range(workers)]
         self.caller_token = f"chaos-caller-{uuid.uuid4().hex}"  # Envoy → kvgate
         (self.tmp / "caller-token").write_text(self.caller_token)
         self.transfer_secret = self.tmp / "transfer-secret"  # the workers' agents sign with it
         self.transfer_secret.write_text(f"chaos-transfer-{uuid.uuid4().hex}")
         self.replicas = [
-            Replica(f"r{i + 1}", free_port(), free_port(), self.tmp / f"r{i + 1}.yaml") for i in range(replicas)
+            Replica(f"r{i + 1}", next(ports), next(ports), self.tmp / f"r{i + 1}.yaml") for i in range(replicas)
         ]
-        self.listen_port = free_port()
-        self.envoy_admin_port = free_port()
+        self.listen_port = next(ports)
+        self.envoy_admin_port = next(ports)
         self.access_log = self.tmp / "access.log"
         self.envoy: Proc | None = None
         self._starts: dict[str, int] = {}
