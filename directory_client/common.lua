@@ -75,12 +75,37 @@ local function current_load(load, resv, now)
   return r, t, due
 end
 
--- one live node's answer, or nil when it is dead or unknown:
--- {info, held, worst_tier, inflight, prefill, indexed blocks in all (HLEN: O(1)), ms until the prefill is due}
+-- split arrivals kept per decode node (directory_client.types.MAX_ARRIVALS_PER_NODE)
+local MAX_ARRIVALS = 64
+
+-- a node's arrivals key beside its resv key (same hash tag, so the same slot): named here rather
+-- than declared, so a Redis user whose ACL predates it still runs lookups and reserves (it may
+-- read every key under the prefix; writing it is tried with pcall, see reserve.lua)
+local function arr_key(resv)
+  return string.sub(resv, 1, -5) .. 'arr'
+end
+
+-- a decode node's split arrivals not done yet (arr: zset "id|blocks|lands_ms" -> ends ms), soonest
+-- end first, as "id|blocks|ms until it lands|ms until it ends" (server clock: replicas agree)
+local function arrivals_view(arr, now)
+  local rows = redis.call('ZRANGE', arr, '(' .. now, '+inf', 'BYSCORE', 'LIMIT', 0, MAX_ARRIVALS, 'WITHSCORES')
+  local out = {}
+  for i = 1, #rows, 2 do
+    local id, blocks, lands = string.match(rows[i], '^(.+)|(%d+)|(%d+)$')
+    if id then
+      out[#out + 1] = id .. '|' .. blocks .. '|' .. string.format('%d', tonumber(lands) - now)
+        .. '|' .. string.format('%d', tonumber(rows[i + 1]) - now)
+    end
+  end
+  return out
+end
+
+-- one live node's answer, or nil when it is dead or unknown: {info, held, worst_tier, inflight,
+-- prefill, indexed blocks in all (HLEN: O(1)), ms until the prefill is due, split arrivals}
 local function node_view(meta, blocks, load, resv, keys, n, now)
   local m = redis.call('HMGET', meta, 'info', 'until')
   if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
   local r, t, due = current_load(load, resv, now)
   local held, worst = held_prefix(blocks, keys, n)
-  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due}
+  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due, arrivals_view(arr_key(resv), now)}
 end

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from directory_client.hot import check_hot, hot_prefix
 from directory_client.sampling import KeySampler, check_keys
 from directory_client.types import (
+    MAX_ARRIVALS_PER_NODE,
     DirectoryView,
     HotPrefix,
     NodeInfo,
@@ -24,11 +25,13 @@ from directory_client.types import (
     NodeView,
     Reservation,
     ReservationConflict,
+    SplitArrival,
     Tier,
     UnknownNode,
     WriterLease,
 )
 from directory_client.validate import (
+    check_arrival,
     check_durations,
     check_node,
     check_node_id,
@@ -227,6 +230,7 @@ class InProcessDirectory:
         self._sessions: dict[str, tuple[str, float]] = {}  # session -> (node_id, expires at), oldest first
         self._hot: dict[str, tuple[dict[bytes, float], float]] = {}  # node -> (member -> served at, expires at)
         self._draining: dict[str, float] = {}  # node -> until
+        self._arrivals: dict[str, dict[str, tuple[float, int, float]]] = {}  # node -> id -> (lands, blocks, until)
 
     @property
     def index_stride(self) -> int:
@@ -268,6 +272,7 @@ class InProcessDirectory:
         check_node_id(node_id)
         self._nodes.pop(node_id, None)
         self._loads.pop(node_id, None)
+        self._arrivals.pop(node_id, None)
 
     def _live(self, now: float) -> list[tuple[str, _Node]]:
         live = [(nid, st) for nid, st in self._nodes.items() if st.info is not None and st.alive_until > now]
@@ -408,6 +413,7 @@ class InProcessDirectory:
                     TIERS[worst],
                     _IDLE if load is None else load.view(now),
                     len(blocks) * stride,
+                    self._arrivals_at(nid, now) if nid in self._arrivals else (),
                 )
             )
         session_node = (self._session_node(session, now) or "") if session else ""
@@ -423,10 +429,13 @@ class InProcessDirectory:
         if_inflight_at_most: int | None = None,
         first_token_s: float | None = None,
         hold_s: float | None = None,
+        arrival: SplitArrival | None = None,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
+        if arrival is not None:
+            arrival = check_arrival(arrival, self.max_request_s)
         now = self._clock()
         load = self._loads.get(node_id)
         if load is None:
@@ -436,7 +445,30 @@ class InProcessDirectory:
             raise ReservationConflict(node_id, if_inflight_at_most)
         token = f"m{next(self._tokens)}|{prefill_tokens}"
         load.add(token, prefill_tokens, now + settle_s, now + end_s)
-        return Reservation(node_id, 1, prefill_tokens, token)
+        if arrival is not None:
+            self._add_arrival(node_id, arrival, now)
+        return Reservation(node_id, 1, prefill_tokens, token, arrival_recorded=arrival is not None)
+
+    def _add_arrival(self, node_id: str, arrival: SplitArrival, now: float) -> None:
+        """Keep the node's ``MAX_ARRIVALS_PER_NODE`` arrivals that end last (the Redis script's rule)."""
+        held = self._arrivals.setdefault(node_id, {})
+        for aid in [a for a, (_, _, until) in held.items() if until <= now]:
+            del held[aid]
+        held[arrival.arrival_id] = (now + arrival.arrives_s, arrival.blocks, now + arrival.until_s)
+        if len(held) > MAX_ARRIVALS_PER_NODE:
+            for aid, _ in sorted(held.items(), key=lambda kv: kv[1][2])[: len(held) - MAX_ARRIVALS_PER_NODE]:
+                del held[aid]
+
+    def _arrivals_at(self, node_id: str, now: float) -> tuple[SplitArrival, ...]:
+        """The node's arrivals not yet done, soonest end first, times from ``now``; the rest dropped."""
+        held = self._arrivals[node_id]
+        for aid in [a for a, (_, _, until) in held.items() if until <= now]:
+            del held[aid]
+        if not held:
+            del self._arrivals[node_id]
+            return ()
+        rows = sorted(held.items(), key=lambda kv: kv[1][2])
+        return tuple(SplitArrival(aid, at - now, blocks, until - now) for aid, (at, blocks, until) in rows)
 
     async def release(self, reservation: Reservation) -> None:
         check_reservation(reservation)

@@ -13,6 +13,10 @@ live in one slot and one script can touch them together):
                             prefill counts, "p:token|prefill" -> when its first token is due;
                             "x:token|prefill" -> its end, for a reserve released before it ran
   P:{node}:hot        zset  msgpack [model, tokens] -> when the gateway last routed it (s, its clock)
+  P:{node}:arr        zset  "id|blocks|lands" -> when its answer is estimated done (ms): split
+                            requests whose KV is on its way to this decode node, written with the
+                            reserve, read by every lookup; at most MAX_ARRIVALS_PER_NODE, expiring
+                            (its scripts name it beside resv; never deleted, it expires)
   {P}:draining        zset  node_id -> until when it takes no new requests (s, the drainer's clock)
 
 Deadlines use the server's clock (``TIME`` inside scripts), so gateway replicas with skewed
@@ -50,11 +54,13 @@ from directory_client.types import (
     NodeView,
     Reservation,
     ReservationConflict,
+    SplitArrival,
     Tier,
     UnknownNode,
     WriterLease,
 )
 from directory_client.validate import (
+    check_arrival,
     check_durations,
     check_node,
     check_node_id,
@@ -74,6 +80,17 @@ def _load(inflight: int, prefill: int, due_ms: int) -> NodeLoad:
     if not inflight:
         return _IDLE
     return NodeLoad(inflight, prefill, due_ms / 1000.0) if prefill else NodeLoad(inflight)
+
+
+def _arrivals(rows: list[Any]) -> tuple[SplitArrival, ...]:
+    """A lookup's ``"id|blocks|lands_ms|ends_ms"`` rows (ms from the lookup) as values."""
+    out = []
+    for raw in rows:
+        aid, blocks, lands, ends = (raw.decode() if isinstance(raw, bytes) else raw).rsplit("|", 3)
+        out.append(SplitArrival(aid, int(lands) / 1000.0, int(blocks), int(ends) / 1000.0))
+    return tuple(out)
+
+
 ALL_TIERS_MASK = 0b111
 
 
@@ -440,7 +457,7 @@ class RedisDirectoryBase(ABC):
 
     @abstractmethod
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
-        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill, indexed, due_ms])."""
+        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill, indexed, due_ms, arrivals])."""
 
     async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
         await self._check_config()
@@ -455,7 +472,7 @@ class RedisDirectoryBase(ABC):
         node = self._node
         views = []
         stride = self.sampler.stride
-        for _, (info, held, worst, inflight, prefill, indexed, due_ms) in rows:
+        for _, (info, held, worst, inflight, prefill, indexed, due_ms, arrivals) in rows:
             views.append(
                 NodeView(
                     node(info),
@@ -463,6 +480,7 @@ class RedisDirectoryBase(ABC):
                     TIERS[worst],
                     _load(inflight, prefill, due_ms),
                     indexed * stride,
+                    _arrivals(arrivals) if arrivals else (),
                 )
             )
         return DirectoryView(tuple(views), blocks_for(len(kept), positions), session_node)
@@ -477,10 +495,15 @@ class RedisDirectoryBase(ABC):
         if_inflight_at_most: int | None = None,
         first_token_s: float | None = None,
         hold_s: float | None = None,
+        arrival: SplitArrival | None = None,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
+        split: tuple[Any, ...] = ()
+        if arrival is not None:
+            a = check_arrival(arrival, self.max_request_s)
+            split = (f"{a.arrival_id}|{a.blocks}", int(a.arrives_s * 1000), max(1, int(a.until_s * 1000)))
         await self._check_config()
         member = f"{self._client_id}-{next(self._tokens)}|{prefill_tokens}"
         nk = self._keys(node_id)
@@ -491,7 +514,7 @@ class RedisDirectoryBase(ABC):
         try:
             async with self._io("reserve"):
                 sent = True
-                taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit))
+                taken = await self._eval("reserve", (nk.load, nk.resv), (member, prefill_tokens, *times, limit, *split))
         except BaseException as e:
             # the script may run although its answer is lost: give it back later (not if it was
             # never sent: refused for a cluster shard known down)
@@ -500,6 +523,8 @@ class RedisDirectoryBase(ABC):
             raise
         if taken == -1:
             raise ReservationConflict(node_id, if_inflight_at_most)
+        if split and taken == 1:
+            return Reservation(node_id, 1, prefill_tokens, member, arrival_recorded=True)
         return reservation
 
     def _release_lost(self, reservation: Reservation, end_s: float) -> None:

@@ -1,6 +1,7 @@
 -- Take load on a node atomically: every replica's next lookup sees it.
--- KEYS: load, resv; ARGV: member ("token|prefill"), prefill tokens, ms until the reservation ends
--- by itself, ms until its prefill stops counting, max in-flight ("" = take it whatever the load).
+-- KEYS: load, resv (the node's arrivals key is named beside it); ARGV: member ("token|prefill"), prefill tokens, ms until the reservation ends
+-- by itself, ms until its prefill stops counting, max in-flight ("" = take it whatever the load),
+-- and for a split whose KV is on its way here: "id|blocks", ms until it lands, ms until it ends.
 -- With a maximum this is compare-and-reserve: a replica that decided on a load another replica
 -- has since added to gets -1 and decides again, so two replicas deciding at once cannot both
 -- take the node they both saw idle.
@@ -28,5 +29,18 @@ redis.call('HINCRBY', KEYS[1], 'r', 1)
 redis.call('HINCRBY', KEYS[1], 't', prefill)
 for k = 1, 2 do
   if redis.call('PEXPIRETIME', KEYS[k]) < ends then redis.call('PEXPIREAT', KEYS[k], ends) end
+end
+-- The split arrival: every replica's lookups see it until its end; the node keeps the
+-- MAX_ARRIVALS ending last, and the key vanishes with its last entry (a dead replica leaks nothing).
+-- Written with pcall: a Redis user not yet allowed that key keeps its reserve (2: not recorded).
+if ARGV[6] and ARGV[6] ~= '' then
+  local arr, last = arr_key(KEYS[2]), now + tonumber(ARGV[8])
+  local member = ARGV[6] .. '|' .. string.format('%d', now + tonumber(ARGV[7]))
+  local ok = redis.pcall('ZADD', arr, last, member)
+  if type(ok) == 'table' and ok.err then return 2 end
+  redis.call('ZREMRANGEBYSCORE', arr, '-inf', now)
+  local extra = redis.call('ZRANGE', arr, 0, -(MAX_ARRIVALS + 1))  -- soonest ends beyond the bound
+  if #extra > 0 then redis.call('ZREM', arr, unpack(extra)) end
+  if redis.call('PEXPIRETIME', arr) < last then redis.call('PEXPIREAT', arr, last) end
 end
 return 1

@@ -92,6 +92,26 @@ class NodeLoad:
     prefill_due_s: float = field(default=float("inf"), compare=False)
 
 
+MAX_ARRIVALS_PER_NODE = 64
+"""Split arrivals the directory keeps per decode node (those ending last): a bound on what a
+lookup reads and returns, whatever replicas write."""
+
+
+@fast_frozen_init
+@dataclass(frozen=True, slots=True)
+class SplitArrival:
+    """A split request's KV on its way to (or answering on) a decode node, as one gateway replica
+    recorded it so that every replica's decisions see it (``gateway.policy.arrivals``).
+
+    Times are seconds from the call that carries it (the reserve that writes it, the lookup that
+    reads it), so replicas with different clocks agree; the directory drops it at ``until_s``."""
+
+    arrival_id: str  # unique per split: a replica recognises its own
+    arrives_s: float  # until its KV lands on the node (negative once landed)
+    blocks: int  # KV blocks it brings
+    until_s: float  # until its answer is estimated done
+
+
 @fast_frozen_init
 @dataclass(frozen=True, slots=True)
 class NodeView:
@@ -102,6 +122,7 @@ class NodeView:
     tier: Tier  # slowest tier within that prefix (GPU when cached_blocks == 0)
     load: NodeLoad
     total_blocks: int = 0  # every block the node holds, any prompt (estimated: indexed keys × stride)
+    arrivals: tuple[SplitArrival, ...] = ()  # splits any replica sent here, not yet done (decode nodes)
 
 
 @fast_frozen_init
@@ -132,6 +153,8 @@ class Reservation:
     requests: int = 1
     prefill_tokens: int = 0
     token: str = field(default="")  # backend-specific handle (e.g. for expiry of leaked reservations)
+    # the split arrival passed to ``reserve`` is in the directory (False: none, or not allowed to write it)
+    arrival_recorded: bool = field(default=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +233,7 @@ class Directory(Protocol):
         if_inflight_at_most: int | None = None,
         first_token_s: float | None = None,
         hold_s: float | None = None,
+        arrival: SplitArrival | None = None,
     ) -> Reservation:
         """Count one request in flight on the node and ``prefill_tokens`` as its queued prefill.
 
@@ -217,7 +241,10 @@ class Directory(Protocol):
         flight), with no further call. ``hold_s``: the reservation ends by itself that long from
         now (default and ceiling: the backend's ``max_request_s``), for callers that never see
         the response end; ``release`` ends it earlier. ``if_inflight_at_most``: compare-and-reserve,
-        raising ``ReservationConflict`` when the node has more in flight now.
+        raising ``ReservationConflict`` when the node has more in flight now. ``arrival``: the
+        request is a split whose KV is on its way to this node; recorded in the same step (nothing
+        if the reserve conflicts), returned in every lookup's ``NodeView.arrivals`` until its
+        ``until_s``, at most ``MAX_ARRIVALS_PER_NODE`` per node; it outlives a ``release``.
         """
         ...
     async def release(self, reservation: Reservation) -> None: ...

@@ -3,9 +3,12 @@ anything is written (a half-applied batch would be worse than a refused one)."""
 
 from __future__ import annotations
 
-from directory_client.types import ROLES, NodeInfo, Reservation, Tier
+import math
+
+from directory_client.types import ROLES, NodeInfo, Reservation, SplitArrival, Tier
 
 MAX_NODE_ID = 200
+MAX_ARRIVAL_ID = 64
 
 
 def check_node_id(node_id: str) -> str:
@@ -73,3 +76,22 @@ def check_durations(heartbeat_ttl_s: float, op_timeout_s: float, max_request_s: 
             raise ValueError(f"{name} must be positive, got {value!r}")
     if not retention_s >= 0:
         raise ValueError(f"dead_node_retention_s must be >= 0, got {retention_s!r}")
+
+
+def check_arrival(arrival: SplitArrival, max_request_s: float) -> SplitArrival:
+    """A split arrival as the directory stores it: its end capped at ``max_request_s`` (an entry
+    never outlives the longest reservation), its landing within [0, end]. The id becomes part of
+    a Redis member string: printable, no ``|``."""
+    if not isinstance(arrival, SplitArrival):
+        raise ValueError(f"expected SplitArrival, got {type(arrival).__name__}")
+    aid = arrival.arrival_id
+    if not isinstance(aid, str) or not aid or len(aid) > MAX_ARRIVAL_ID or "|" in aid or not aid.isprintable():
+        raise ValueError(f"arrival_id must be 1-{MAX_ARRIVAL_ID} printable chars without '|', got {aid!r}")
+    blocks = arrival.blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        raise ValueError(f"arrival blocks must be a non-negative integer, got {blocks!r}")
+    for name, value in (("arrives_s", arrival.arrives_s), ("until_s", arrival.until_s)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"arrival {name} must be a finite number, got {value!r}")
+    until = min(max(float(arrival.until_s), 0.0), max_request_s)
+    return SplitArrival(aid, min(max(float(arrival.arrives_s), 0.0), until), blocks, until)

@@ -399,7 +399,9 @@ class RoutingCore:
         assert decided.round is not None
         rnd = decided.round
         reservation = None
-        if hold is not None:
+        if hold is None:  # explained, not routed: its split arrives nowhere
+            self._forget_arrival(rnd)
+        else:
             try:
                 reservation = await self._reserve(rnd, hold)
             except ReservationConflict:
@@ -409,6 +411,7 @@ class RoutingCore:
                 again = await self._decide(request, keys, self._answer_tokens(req, request))
                 if again.failed is None:
                     assert again.round is not None
+                    self._forget_arrival(rnd)  # that split is not made: the new round stands
                     rnd = again.round
                     try:
                         reservation = await self._reserve(rnd, hold, conditional=False)
@@ -417,6 +420,8 @@ class RoutingCore:
             except (DirectoryUnavailable, TimeoutError):
                 # The decision stands; only the shared load accounting misses this request.
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
+            if rnd.shared is not None and (reservation is None or not reservation.arrival_recorded):
+                metrics.PD_ARRIVALS_UNSHARED.inc()  # this replica's ledger has it; the others do not
             if rnd.decision.prefill is not None:
                 try:
                     await self._reserve_prefill(rnd.decision.prefill)
@@ -481,8 +486,14 @@ class RoutingCore:
                 if_inflight_at_most=rnd.seen_load.inflight if conditional else None,
                 first_token_s=rnd.ttft_s,
                 hold_s=rnd.service_s if hold == "estimate" else None,
+                **({"arrival": rnd.shared} if rnd.shared is not None else {}),
             )
         )
+
+    def _forget_arrival(self, rnd: Round) -> None:
+        """Take a split that will not be made out of the policy's ledger of arrivals."""
+        if rnd.arrival is not None:
+            self.policy.pending_arrivals.discard(rnd.arrival)
 
     async def _reserve_prefill(self, plan: PrefillPlan) -> None:
         """A split request's prompt counts on its prefill node until the estimated end of that

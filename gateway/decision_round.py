@@ -20,8 +20,8 @@ import numpy as np
 import xxhash
 
 from directory_client.frozen import fast_frozen_init
-from directory_client.types import DirectoryView, NodeLoad
-from gateway.policy.arrivals import PendingArrivals
+from directory_client.types import DirectoryView, NodeLoad, SplitArrival
+from gateway.policy.arrivals import Arrival, PendingArrivals
 from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
 from gateway.policy.memory import MemoryPricing
@@ -44,6 +44,10 @@ class Round:
     prefill_tokens: int  # prompt tokens the chosen node computes: its queued prefill
     ttft_s: float  # from now until the estimated first token: the prefill stops counting then
     service_s: float  # from now until the estimated last token: the end, if it is never seen
+    # a split: its KV's arrival on the decode node, recorded in the policy's ledger; the reservation
+    # writes ``shared`` to the directory so that other replicas see it (``gateway.policy.arrivals``)
+    arrival: Arrival | None = None
+    shared: SplitArrival | None = None
 
 
 def routing_request(
@@ -119,7 +123,8 @@ def decide_round(
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
     prefill); the service time adds the answer budget decoded at the node's batch size with this
     request in it. With no node chosen every figure is zero. A split is recorded in the policy's
-    ledger of KV arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end.
+    ledger of KV arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end;
+    the other replicas' splits come in ``view`` (``NodeView.arrivals``) and join it first.
     Nodes in ``draining`` are not candidates unless no other node is live (a drain never turns
     traffic away); they stay pull sources for the policies that pull.
     """
@@ -132,6 +137,7 @@ def decide_round(
     arrivals = policy.pending_arrivals if roles and isinstance(policy, KvgatePolicy) else None
     if arrivals is not None:
         arrivals.expire(now)
+        arrivals.share(view, now)  # the other replicas' splits, from the directory
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
     splits = roles and isinstance(policy, KvgatePolicy) and policy.disaggregate  # balancers never split
@@ -162,6 +168,8 @@ def decide_round(
     n = request.prompt_tokens
     decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + 1, n)
     service_s = min(ttft_s + decode_s, max_hold_s)
+    entry = None
     if decision.prefill is not None and arrivals is not None:  # on its way: later decisions must not block it
-        arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
-    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s)
+        entry = arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
+    shared = PendingArrivals.for_directory(entry, now) if entry is not None else None
+    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s, entry, shared)

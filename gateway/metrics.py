@@ -246,6 +246,12 @@ BACKGROUND_TOKENIZE_PENDING = Gauge(
     "kvgate_background_tokenize_pending", "Head-decided prompts waiting for or in background tokenization",
     registry=REGISTRY,
 )
+PD_ARRIVALS_UNSHARED = Counter(
+    "kvgate_pd_arrivals_unshared",
+    "Split requests whose KV arrival the directory did not record (down, slow, or its Redis user not "
+    "allowed the arrivals key): this replica's decisions see it, other replicas' do not",
+    registry=REGISTRY,
+)
 RESERVATION_CONFLICTS = Counter(
     "kvgate_reservation_conflicts",
     "Decisions taken again because another replica loaded the chosen node between lookup and reserve",

@@ -11,6 +11,7 @@ records the refusal in ``ACL LOG``, and the keys are left exactly as they were.
 from __future__ import annotations
 
 import asyncio
+import re
 
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -273,3 +274,35 @@ async def test_a_keeper_whose_clear_was_refused_tries_again_on_the_next_tick(as_
             with admin(acl_redis) as r:
                 r.execute_command("ACL", "SETUSER", "kvgate-gateway", "clearselectors", old_rule, clear_rule)
             await keeper.aclose()
+
+
+async def test_a_gateway_shares_a_splits_arrival_and_an_older_user_still_reserves(as_role, acl_redis: RedisProcess) -> None:
+    """The shipped gateway user writes a split's arrival with its reservation. A user from before
+    the arrivals key (the gateway upgraded first) still reserves and looks up; only the arrival is
+    not recorded, and the reservation says so (the request path counts it, others do not see it)."""
+    from directory_client.types import SplitArrival
+
+    await as_role("kvgate-bridge").register_node(NODE)
+    gateway = as_role("kvgate-gateway")
+    r = await gateway.reserve("e1", 0, arrival=SplitArrival("g1-1", 0.2, 50, 5.0))
+    assert r.arrival_recorded
+    assert [a.arrival_id for a in (await gateway.lookup(KEYS)).nodes[0].arrivals] == ["g1-1"]
+    old_rule = (
+        "%R~kvgate:* %R~{kvgate}:* ~kvgate:{*}:meta ~kvgate:{*}:load ~kvgate:{*}:resv ~kvgate:session:* ~{kvgate}:* "
+        "-@all +ping +info +script|load +evalsha +time +exists +get +set +del +hget +hmget +hlen +hexists +hset "
+        "+hsetnx +hincrby +pexpire +pexpiretime +pexpireat +zadd +zrange +zrem +zremrangebyscore +zscore"
+    )
+    try:
+        with admin(acl_redis) as adm:
+            adm.execute_command("ACL", "SETUSER", "kvgate-gateway", "resetkeys", "nocommands", "clearselectors", *old_rule.split())
+        older = as_role("kvgate-gateway")
+        r2 = await older.reserve("e1", 0, arrival=SplitArrival("g2-1", 0.2, 50, 5.0))
+        assert not r2.arrival_recorded
+        view = await older.lookup(KEYS)
+        assert view.nodes[0].load.inflight == 2  # both reserved
+        assert [a.arrival_id for a in view.nodes[0].arrivals] == ["g1-1"]  # read, not written
+    finally:
+        with admin(acl_redis) as adm:  # the shipped rule back, for the tests after this one
+            line = next(ln for ln in ACL_FILE.read_text().splitlines() if ln.startswith("user kvgate-gateway "))
+            rules = re.findall(r"\([^)]*\)|\S+", line)[2:]  # a selector is one argument
+            adm.execute_command("ACL", "SETUSER", "kvgate-gateway", "reset", *rules, f">{PASSWORDS['kvgate-gateway']}")

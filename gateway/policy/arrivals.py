@@ -9,9 +9,14 @@ split documents whose KV landed while a 15k–23k-token prompt, routed whole to 
 node after the split was decided, was being prefilled there: 1.3–2.0 s against estimates of
 0.4–1.2 s, and the TTFT p99 3% above aggregated serving.
 
-``PendingArrivals`` is the gateway replica's ledger of those arrivals (like ``FirstTokenTail``,
-one per replica: another replica's splits are not in it). Each entry is a decode node, the time
-the KV lands, the blocks it brings and when its answer is estimated done; it is dropped then.
+``PendingArrivals`` is the gateway replica's ledger of those arrivals. Each entry is a decode
+node, the time the KV lands, the blocks it brings and when its answer is estimated done; it is
+dropped then. Replicas share them through the directory: a split's arrival is written with its
+decode node's reservation (``Directory.reserve(arrival=...)``, same round trip) and every lookup
+returns each node's arrivals (``NodeView.arrivals``), so before deciding, ``share`` adds the other
+replicas' arrivals from the view to this one's (its own, recognised by id, counted once). With the
+directory down or refusing the write, the replica's own ledger still holds its splits
+(``kvgate_pd_arrivals_unshared_total`` counts those the others cannot see).
 Decisions use it twice:
 
 - ``blocking_s`` prices a candidate by the split requests its prefill would hold up: an arrival
@@ -29,43 +34,97 @@ Decisions use it twice:
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from directory_client.types import DirectoryView, NodeView
+from directory_client.types import DirectoryView, NodeView, SplitArrival
 from gateway.types import CandidateCost
 
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
     """A split request's KV landing on ``node_id`` at ``at`` (the policy's clock), ``blocks`` of it;
-    its answer estimated done by ``until``."""
+    its answer estimated done by ``until``. ``arrival_id``: how the directory's copy is recognised."""
 
     node_id: str
     at: float
     blocks: int
     until: float = 0.0
+    arrival_id: str = ""
 
 
 class PendingArrivals:
-    """The splits this replica decided whose KV has not landed yet (module docstring)."""
+    """The splits whose KV is arriving or answering on decode nodes: this replica's own, and the
+    other replicas' as the last view showed them (module docstring)."""
 
-    __slots__ = ("_by_node",)
+    __slots__ = ("_own", "_ids", "_by_node", "_origin", "_count")
 
     def __init__(self) -> None:
-        self._by_node: dict[str, list[Arrival]] = {}
+        self._own: dict[str, list[Arrival]] = {}  # this replica's splits
+        self._ids: set[str] = set()  # their ids: a view's copy of them is not counted twice
+        self._by_node: dict[str, list[Arrival]] = self._own  # what the reads use: own, or own + shared
+        self._origin = os.urandom(5).hex()  # replica-unique prefix of the ids
+        self._count = itertools.count(1)
 
-    def add(self, node_id: str, at: float, blocks: int, until: float = 0.0) -> None:
-        self._by_node.setdefault(node_id, []).append(Arrival(node_id, at, blocks, max(until, at)))
+    def add(self, node_id: str, at: float, blocks: int, until: float = 0.0) -> Arrival:
+        """Record a split this replica decided; the entry (with its id) is what to share."""
+        entry = Arrival(node_id, at, blocks, max(until, at), f"{self._origin}-{next(self._count)}")
+        self._own.setdefault(node_id, []).append(entry)
+        self._ids.add(entry.arrival_id)
+        if self._by_node is not self._own:
+            self._by_node.setdefault(node_id, []).append(entry)
+        return entry
+
+    def discard(self, entry: Arrival) -> None:
+        """Forget a split that was not made after all (its reservation conflicted, or only explained)."""
+        for ledger in {id(d): d for d in (self._own, self._by_node)}.values():
+            rows = ledger.get(entry.node_id)
+            if rows and entry in rows:
+                rows.remove(entry)
+                if not rows:
+                    del ledger[entry.node_id]
+        self._ids.discard(entry.arrival_id)
 
     def expire(self, now: float) -> None:
         """Drop what has been answered (estimated): its KV has long landed, its decode is done."""
-        for node_id in [k for k, v in self._by_node.items() if any(a.until <= now for a in v)]:
-            kept = [a for a in self._by_node[node_id] if a.until > now]
-            if kept:
-                self._by_node[node_id] = kept
-            else:
-                del self._by_node[node_id]
+        for ledger in {id(d): d for d in (self._own, self._by_node)}.values():
+            for node_id in [k for k, v in ledger.items() if any(a.until <= now for a in v)]:
+                kept = [a for a in ledger[node_id] if a.until > now]
+                if kept:
+                    ledger[node_id] = kept
+                else:
+                    del ledger[node_id]
+        if len(self._ids) > sum(map(len, self._own.values())):
+            self._ids = {a.arrival_id for rows in self._own.values() for a in rows}
+
+    def share(self, view: DirectoryView, now: float) -> None:
+        """Take the other replicas' arrivals from ``view`` (times from the lookup, read at ``now``)
+        in place of those of the previous view; this replica's own stay as they are."""
+        shared: dict[str, list[Arrival]] = {}
+        ids = self._ids
+        for nv in view.nodes:
+            if nv.arrivals:
+                nid = nv.node.node_id
+                rows = [
+                    Arrival(nid, now + a.arrives_s, a.blocks, now + a.until_s, a.arrival_id)
+                    for a in nv.arrivals if a.arrival_id not in ids and a.until_s > 0
+                ]
+                if rows:
+                    shared[nid] = rows
+        if not shared:
+            self._by_node = self._own
+            return
+        merged = {k: list(v) for k, v in self._own.items()}
+        for k, rows in shared.items():
+            merged.setdefault(k, []).extend(rows)
+        self._by_node = merged
+
+    @staticmethod
+    def for_directory(entry: Arrival, now: float) -> SplitArrival:
+        """``entry`` as the directory stores it: times from ``now``."""
+        return SplitArrival(entry.arrival_id, entry.at - now, entry.blocks, entry.until - now)
 
     def __bool__(self) -> bool:
         return bool(self._by_node)
