@@ -40,6 +40,11 @@ local function held_prefix(blocks, keys, n)
   return held, worst
 end
 
+-- requests a reservation member counts: "token*n|prefill" n (a request generating n answers), else 1
+local function weight(m)
+  return tonumber(string.match(m, '%*(%d+)|%d+$')) or 1
+end
+
 -- retire what fell due in resv and return the node's load counters and the ms until the last
 -- queued prefill's first token is due (0 with nothing queued): a "p:token|prefill" member
 -- due means that request's first token is due (its prefill stops counting); a "token|prefill"
@@ -57,7 +62,7 @@ local function current_load(load, resv, now)
       if head == 'p:' then
         tokens = tokens + n
       elseif head ~= 'x:' then  -- "x:": a release that came before its reserve (release.lua)
-        ended = ended + 1
+        ended = ended + weight(m)
         -- prefill settles no later than its reservation ends, but never count it twice
         if redis.call('ZREM', resv, 'p:' .. m) == 1 then tokens = tokens + n end
       end

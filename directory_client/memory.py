@@ -36,6 +36,7 @@ from directory_client.validate import (
     check_node,
     check_node_id,
     check_prefill,
+    check_requests,
     check_reservation,
     check_tier,
     reservation_times,
@@ -77,7 +78,7 @@ class _Load:
     """Reservations on one node, each ending at its own time and settling its prefill at another.
 
     ``reservations`` maps a token to (end time, prefill still counted: 0 once its first token is
-    due); tuples, not objects, so thousands held do not burden the garbage collector. Two heaps
+    due, requests it counts: a request generating n answers counts n); tuples, not objects, so thousands held do not burden the garbage collector. Two heaps
     of (time, token) with lazy deletion: a released reservation's entries stay until their time
     or until garbage outnumbers the live entries, when the heaps are rebuilt.
     """
@@ -85,31 +86,31 @@ class _Load:
     __slots__ = ("reservations", "ends", "settles", "inflight", "prefill", "due_at")
 
     def __init__(self) -> None:
-        self.reservations: dict[str, tuple[float, int]] = {}
+        self.reservations: dict[str, tuple[float, int, int]] = {}
         self.ends: list[tuple[float, str]] = []
         self.settles: list[tuple[float, str]] = []
         self.inflight = 0
         self.prefill = 0
         self.due_at = 0.0  # latest first-token time of any prefill reserved (a bound: releases keep it)
 
-    def add(self, token: str, prefill: int, settle_at: float, end_at: float) -> None:
-        self.reservations[token] = (end_at, prefill)
+    def add(self, token: str, prefill: int, settle_at: float, end_at: float, requests: int = 1) -> None:
+        self.reservations[token] = (end_at, prefill, requests)
         heapq.heappush(self.ends, (end_at, token))
         if prefill:
             heapq.heappush(self.settles, (settle_at, token))
             if settle_at > self.due_at:
                 self.due_at = settle_at
-        self.inflight += 1
+        self.inflight += requests
         self.prefill += prefill
 
     def remove(self, token: str) -> None:
         entry = self.reservations.pop(token, None)
         if entry is None:
             return
-        self.inflight -= 1
+        self.inflight -= entry[2]
         self.prefill -= entry[1]
         if len(self.ends) > 2 * len(self.reservations) + 64:  # mostly released entries: rebuild
-            self.ends = [(end_at, t) for t, (end_at, _) in self.reservations.items()]
+            self.ends = [(entry[0], t) for t, entry in self.reservations.items()]
             heapq.heapify(self.ends)
             self.settles = [e for e in self.settles if e[1] in self.reservations]
             heapq.heapify(self.settles)
@@ -121,11 +122,11 @@ class _Load:
             entry = res.get(token)
             if entry is not None and entry[1]:
                 self.prefill -= entry[1]
-                res[token] = (entry[0], 0)
+                res[token] = (entry[0], 0, entry[2])
         while ends and ends[0][0] <= now:
             entry = res.pop(heapq.heappop(ends)[1], None)  # tokens are unique: this is its end
             if entry is not None:
-                self.inflight -= 1
+                self.inflight -= entry[2]
                 self.prefill -= entry[1]
 
     def view(self, now: float) -> NodeLoad:
@@ -430,9 +431,11 @@ class InProcessDirectory:
         first_token_s: float | None = None,
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
+        requests: int = 1,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
+        check_requests(requests)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         if arrival is not None:
             arrival = check_arrival(arrival, self.max_request_s)
@@ -444,10 +447,10 @@ class InProcessDirectory:
         if if_inflight_at_most is not None and load.inflight > if_inflight_at_most:
             raise ReservationConflict(node_id, if_inflight_at_most)
         token = f"m{next(self._tokens)}|{prefill_tokens}"
-        load.add(token, prefill_tokens, now + settle_s, now + end_s)
+        load.add(token, prefill_tokens, now + settle_s, now + end_s, requests)
         if arrival is not None:
             self._add_arrival(node_id, arrival, now)
-        return Reservation(node_id, 1, prefill_tokens, token, arrival_recorded=arrival is not None)
+        return Reservation(node_id, requests, prefill_tokens, token, arrival_recorded=arrival is not None)
 
     def _add_arrival(self, node_id: str, arrival: SplitArrival, now: float) -> None:
         """Keep the node's ``MAX_ARRIVALS_PER_NODE`` arrivals that end last (the Redis script's rule)."""

@@ -9,7 +9,8 @@ live in one slot and one script can touch them together):
                             bridged -> the last writer-lease holder ("" once a lapse cleared its entries)
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
-  P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms), and, while its
+  P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms) ("token*n|prefill":
+                            it counts n requests in flight, a request generating n answers), and, while its
                             prefill counts, "p:token|prefill" -> when its first token is due;
                             "x:token|prefill" -> its end, for a reserve released before it ran
   P:{node}:hot        zset  msgpack [model, tokens] -> when the gateway last routed it (s, its clock)
@@ -65,6 +66,7 @@ from directory_client.validate import (
     check_node,
     check_node_id,
     check_prefill,
+    check_requests,
     check_reservation,
     check_tier,
     reservation_times,
@@ -496,20 +498,23 @@ class RedisDirectoryBase(ABC):
         first_token_s: float | None = None,
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
+        requests: int = 1,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
+        check_requests(requests)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         split: tuple[Any, ...] = ()
         if arrival is not None:
             a = check_arrival(arrival, self.max_request_s)
             split = (f"{a.arrival_id}|{a.blocks}", int(a.arrives_s * 1000), max(1, int(a.until_s * 1000)))
         await self._check_config()
-        member = f"{self._client_id}-{next(self._tokens)}|{prefill_tokens}"
+        weight = f"*{requests}" if requests > 1 else ""  # the scripts read it back: no caller can make counters drift
+        member = f"{self._client_id}-{next(self._tokens)}{weight}|{prefill_tokens}"
         nk = self._keys(node_id)
         limit = "" if if_inflight_at_most is None else int(if_inflight_at_most)
         times = (max(1, int(end_s * 1000)), int(settle_s * 1000))
-        reservation = Reservation(node_id, 1, prefill_tokens, member)
+        reservation = Reservation(node_id, requests, prefill_tokens, member)
         sent = False
         try:
             async with self._io("reserve"):
@@ -524,7 +529,7 @@ class RedisDirectoryBase(ABC):
         if taken == -1:
             raise ReservationConflict(node_id, if_inflight_at_most)
         if split and taken == 1:
-            return Reservation(node_id, 1, prefill_tokens, member, arrival_recorded=True)
+            return Reservation(node_id, requests, prefill_tokens, member, arrival_recorded=True)
         return reservation
 
     def _release_lost(self, reservation: Reservation, end_s: float) -> None:

@@ -5,7 +5,7 @@
 -- still arrive after this release. Finding nothing then leaves "x:" .. member until that end, and
 -- the late reserve, seeing it, takes nothing.
 if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  redis.call('HINCRBY', KEYS[1], 'r', -1)
+  redis.call('HINCRBY', KEYS[1], 'r', 0 - weight(ARGV[1]))
   -- its prefill still counts only if its first token is not due yet
   if redis.call('ZREM', KEYS[2], 'p:' .. ARGV[1]) == 1 then
     local tokens = tonumber(string.match(ARGV[1], '|(%d+)$')) or 0

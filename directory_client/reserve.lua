@@ -1,5 +1,6 @@
 -- Take load on a node atomically: every replica's next lookup sees it.
--- KEYS: load, resv (the node's arrivals key is named beside it); ARGV: member ("token|prefill"), prefill tokens, ms until the reservation ends
+-- KEYS: load, resv (the node's arrivals key is named beside it); ARGV: member ("token|prefill", or
+-- "token*n|prefill" for a request counting n in flight), prefill tokens, ms until the reservation ends
 -- by itself, ms until its prefill stops counting, max in-flight ("" = take it whatever the load),
 -- and for a split whose KV is on its way here: "id|blocks", ms until it lands, ms until it ends.
 -- With a maximum this is compare-and-reserve: a replica that decided on a load another replica
@@ -25,7 +26,7 @@ if prefill > 0 then
   -- the latest first token of any prefill reserved (a bound: a release does not lower it)
   if due > (tonumber(redis.call('HGET', KEYS[1], 's')) or 0) then redis.call('HSET', KEYS[1], 's', due) end
 end
-redis.call('HINCRBY', KEYS[1], 'r', 1)
+redis.call('HINCRBY', KEYS[1], 'r', weight(ARGV[1]))
 redis.call('HINCRBY', KEYS[1], 't', prefill)
 for k = 1, 2 do
   if redis.call('PEXPIRETIME', KEYS[k]) < ends then redis.call('PEXPIREAT', KEYS[k], ends) end

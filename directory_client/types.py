@@ -150,7 +150,7 @@ class Reservation:
     """Load taken on a node by one routed request; give it back with ``Directory.release``."""
 
     node_id: str
-    requests: int = 1
+    requests: int = 1  # what it counts in flight: a request generating n answers counts n
     prefill_tokens: int = 0
     token: str = field(default="")  # backend-specific handle (e.g. for expiry of leaked reservations)
     # the split arrival passed to ``reserve`` is in the directory (False: none, or not allowed to write it)
@@ -234,6 +234,7 @@ class Directory(Protocol):
         first_token_s: float | None = None,
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
+        requests: int = 1,
     ) -> Reservation:
         """Count one request in flight on the node and ``prefill_tokens`` as its queued prefill.
 
@@ -245,6 +246,8 @@ class Directory(Protocol):
         request is a split whose KV is on its way to this node; recorded in the same step (nothing
         if the reserve conflicts), returned in every lookup's ``NodeView.arrivals`` until its
         ``until_s``, at most ``MAX_ARRIVALS_PER_NODE`` per node; it outlives a ``release``.
+        ``requests``: how many it counts in flight (a request generating n answers decodes n
+        sequences in the node's batch), given back together.
         """
         ...
     async def release(self, reservation: Reservation) -> None: ...

@@ -46,6 +46,17 @@ def check_prefill(prefill_tokens: int) -> int:
     return prefill_tokens
 
 
+MAX_RESERVED_REQUESTS = 1024
+"""Most requests one reservation may count (a request generating n answers counts n; an engine
+batches a few hundred sequences at most, so more would only freeze a node's load)."""
+
+
+def check_requests(requests: int) -> int:
+    if isinstance(requests, bool) or not isinstance(requests, int) or not 1 <= requests <= MAX_RESERVED_REQUESTS:
+        raise ValueError(f"requests must be an integer in [1, {MAX_RESERVED_REQUESTS}], got {requests!r}")
+    return requests
+
+
 def reservation_times(first_token_s: float | None, hold_s: float | None, max_request_s: float) -> tuple[float, float]:
     """(seconds until the prefill stops counting, seconds until the reservation ends by itself).
 

@@ -310,7 +310,7 @@ class LimitsConfig(_Section):
         1 * MiB, gt=0, description="rendered prompt text beyond this is not tokenized: passed through (bounds CPU)"
     )
     max_answer_tokens: int = Field(
-        8192, gt=0, description="ceiling of a request's answer budget (max_tokens) when its load is estimated"
+        8192, gt=0, description="ceiling of a request's answer budget (max_tokens × n answers) when its load is estimated"
     )
     max_hold_s: float = Field(
         300.0, gt=0, description="longest a request's load is held on an estimate (ext_authz never sees the end)"

@@ -52,7 +52,16 @@ from directory_client.types import (
 from gateway import metrics
 from gateway.background_tokenize import BackgroundTokenizer
 from gateway.decision_log import DecisionLog
-from gateway.decision_round import MAX_ANSWER_TOKENS, MAX_HOLD_S, Round, answer_tokens, decide_round, routing_request
+from gateway.decision_round import (
+    MAX_ANSWER_TOKENS,
+    MAX_HOLD_S,
+    InvalidAnswerCount,
+    Round,
+    answer_budget,
+    answer_count,
+    decide_round,
+    routing_request,
+)
 from gateway.elastic import DrainingNodes, HotRecorder
 from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
@@ -260,6 +269,10 @@ class RoutingCore:
             return _reject(404, f"The model `{model[:64]}…` does not exist (no name longer than {MAX_MODEL_NAME_CHARS} characters does).")
         if isinstance(model, str) and lim.models and model not in lim.models:
             return _reject(404, f"The model `{model}` does not exist.")
+        try:
+            answer_count(req)  # an `n` the engine refuses is refused here, before any work
+        except InvalidAnswerCount as e:
+            return _reject(400, str(e))
         t1 = time.perf_counter()
         try:
             prepared = self.tokenizer.prepare(path, req, max_text_bytes=lim.max_prompt_bytes)
@@ -443,9 +456,9 @@ class RoutingCore:
             request=request, ttft_s=rnd.ttft_s, service_s=rnd.service_s, sees_end=hold != "estimate",
         )
 
-    async def _decide(self, request: RoutingRequest, keys: np.ndarray, answer: int) -> _Decided:
+    async def _decide(self, request: RoutingRequest, keys: np.ndarray, answer: tuple[int, int]) -> _Decided:
         """Directory lookup under the configured timeout, then the decision round (pure, no I/O)
-        for an answer budget of ``answer`` tokens."""
+        for an answer budget of ``answer``: (tokens per answer, answers)."""
         t = time.perf_counter()
         session = request.session
         try:
@@ -461,7 +474,7 @@ class RoutingCore:
         if view.session_node:
             request = replace(request, session_node=view.session_node)
         rnd = decide_round(
-            self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer,
+            self.policy, request, view, self.profile, now=self.clock(), answer_tokens=answer[0], answers=answer[1],
             max_hold_s=self.limits.max_hold_s, draining=self.draining.current(),
         )
         if rnd.decision.node is None:
@@ -487,6 +500,7 @@ class RoutingCore:
                 first_token_s=rnd.ttft_s,
                 hold_s=rnd.service_s if hold == "estimate" else None,
                 **({"arrival": rnd.shared} if rnd.shared is not None else {}),
+                **({"requests": rnd.answers} if rnd.answers > 1 else {}),  # its answers decode side by side
             )
         )
 
@@ -505,10 +519,11 @@ class RoutingCore:
         except (DirectoryUnavailable, TimeoutError):
             metrics.DIRECTORY_ERRORS.labels("reserve").inc()
 
-    def _answer_tokens(self, req: dict, request: RoutingRequest) -> int:
-        """The answer budget the request's load is estimated with, clamped by the limits."""
+    def _answer_tokens(self, req: dict, request: RoutingRequest) -> tuple[int, int]:
+        """The answer budget the request's load is estimated with, clamped by the limits: (tokens
+        per answer, answers; ``n`` was checked on arrival)."""
         lim = self.limits
-        return answer_tokens(
+        return answer_budget(
             req, request.prompt_tokens, context_tokens=lim.max_prompt_tokens, ceiling=lim.max_answer_tokens
         )
 

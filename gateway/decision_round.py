@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import re
+
 import numpy as np
 import xxhash
 
@@ -32,6 +34,15 @@ DEFAULT_ANSWER_TOKENS = 256  # answer length assumed when a request sets no max_
 MIN_HOLD_S = 0.005  # floor of every time estimate: a prefill never stops counting at once
 MAX_ANSWER_TOKENS = 8192  # default ceiling of the answer budget a request's load is estimated with
 MAX_HOLD_S = 300.0  # default cap of every estimate: a load held on an estimate ends by then at the latest
+MAX_ANSWERS = 256  # answers one request counts as at most: a batch an engine runs at once (vLLM's max_num_seqs)
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+
+
+class InvalidAnswerCount(ValueError):
+    """The request's ``n`` is one the engine refuses (not an integer, below 1): the client gets
+    the 400 the engine would answer, and no node is loaded with it."""
 
 
 @fast_frozen_init
@@ -44,6 +55,7 @@ class Round:
     prefill_tokens: int  # prompt tokens the chosen node computes: its queued prefill
     ttft_s: float  # from now until the estimated first token: the prefill stops counting then
     service_s: float  # from now until the estimated last token: the end, if it is never seen
+    answers: int  # sequences it decodes side by side: what it counts in flight on the chosen node
     # a split: its KV's arrival on the decode node, recorded in the policy's ledger; the reservation
     # writes ``shared`` to the directory so that other replicas see it (``gateway.policy.arrivals``)
     arrival: Arrival | None = None
@@ -95,6 +107,54 @@ def answer_tokens(
     return max(1, min(budget, ceiling))
 
 
+def _lax_int(value: Any) -> int | None:
+    """``value`` as vLLM's request model reads an integer field (pydantic's lax mode, measured on
+    vLLM 0.32: ``3``, ``"3"``, ``3.0`` and ``true`` are accepted, ``"x"`` and ``2.5`` refused)."""
+    if isinstance(value, int):  # bool included: true is 1
+        return int(value)
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and len(value) <= 32 and _INTEGER.fullmatch(s := value.strip()):
+        return int(s)
+    return None
+
+
+def answer_count(body: Any) -> int:
+    """How many answers the engine generates for the request at once: ``n`` (OpenAI, vLLM,
+    SGLang; 1 when unset or null), or ``best_of`` when it asks for more (vLLM before V1 generated
+    ``best_of`` sequences and returned the ``n`` best; today's ignores the field, and then costs
+    less than estimated). Raises ``InvalidAnswerCount`` for an ``n`` the engine refuses with a 400
+    (not an integer, below 1); a large one is not refused here (the engine's ceiling is its own:
+    16384 in vLLM by default), its estimate is bounded by ``answer_budget``. A malformed
+    ``best_of`` is ignored, as today's engines do.
+    """
+    if not isinstance(body, dict):
+        return 1
+    raw = body.get("n")
+    n = 1 if raw is None else _lax_int(raw)
+    if n is None:
+        raise InvalidAnswerCount(f"n must be an integer, got {type(raw).__name__} {str(raw)[:32]!r}")
+    if n < 1:
+        raise InvalidAnswerCount(f"n must be at least 1, got {n}.")
+    best_of = _lax_int(body.get("best_of")) if body.get("best_of") is not None else None
+    return max(n, best_of) if best_of is not None and best_of > n else n
+
+
+def answer_budget(
+    body: Any, prompt_tokens: int = 0, *, context_tokens: int | None = None, ceiling: int = MAX_ANSWER_TOKENS
+) -> tuple[int, int]:
+    """(tokens per answer, answers) a request's load is estimated with: ``answer_tokens`` for each
+    of its ``answer_count`` answers, which the engine decodes side by side.
+
+    The ceiling bounds the whole budget, answers times tokens: the answers are counted first (a
+    request asking for 100 answers occupies 100 places in the node's batch, at most
+    ``MAX_ANSWERS``), and each is shortened to fit. Raises ``InvalidAnswerCount`` (a 400).
+    """
+    per_answer = answer_tokens(body, prompt_tokens, context_tokens=context_tokens, ceiling=ceiling)
+    answers = min(answer_count(body), MAX_ANSWERS, ceiling)
+    return max(1, min(per_answer, ceiling // answers)), answers
+
+
 def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: DirectoryView, now: float, *, landed: bool = True) -> float:
     """How long the aggregated decision's prefill would delay splits arriving or answering on its node
     (``landed`` False: arriving only, whose first token it would delay)."""
@@ -115,14 +175,15 @@ def decide_round(
     *,
     now: float,
     answer_tokens: int,
+    answers: int = 1,
     max_hold_s: float = MAX_HOLD_S,
     draining: frozenset[str] = frozenset(),
 ) -> Round:
     """The policy's decision on ``view`` and the reservation it implies.
 
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
-    prefill); the service time adds the answer budget decoded at the node's batch size with this
-    request in it. With no node chosen every figure is zero. A split is recorded in the policy's
+    prefill); the service time adds the answer budget (``answer_tokens`` for each of ``answers``
+    answers, ``answer_budget``) decoded at the node's batch size with this request's answers in it. With no node chosen every figure is zero. A split is recorded in the policy's
     ledger of KV arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end;
     the other replicas' splits come in ``view`` (``NodeView.arrivals``) and join it first.
     Nodes in ``draining`` are not candidates unless no other node is live (a drain never turns
@@ -149,7 +210,7 @@ def decide_round(
         aggregated_ttft = min((c.total_s for c in decision.candidates if decision.node and c.node_id == decision.node.node_id), default=None)
         decision = split_or_not(
             decision, request, view, profile,
-            answer_tokens=answer_tokens, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
+            answer_tokens=answer_tokens, answers=answers, link=policy.link, tie_tolerance_s=policy.tie_tolerance_s,
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
             delays_first_token=blocked_s(arrivals, decision, view, now, landed=False) > 0,
@@ -159,17 +220,17 @@ def decide_round(
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)
     node = decision.node
     if node is None:
-        return Round(decision, NodeLoad(), 0, 0.0, 0.0)
+        return Round(decision, NodeLoad(), 0, 0.0, 0.0, answers)
     load = next((nv.load for nv in view.nodes if nv.node.node_id == node.node_id), NodeLoad())
     own = [c.total_s for c in decision.candidates if c.node_id == node.node_id]
     if decision.prefill is not None:
         own = [decision.prefill.first_token_s]
     ttft_s = min(max(min(own, default=0.0), MIN_HOLD_S), max_hold_s)
     n = request.prompt_tokens
-    decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + 1, n)
+    decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + answers, n)
     service_s = min(ttft_s + decode_s, max_hold_s)
     entry = None
     if decision.prefill is not None and arrivals is not None:  # on its way: later decisions must not block it
         entry = arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
     shared = PendingArrivals.for_directory(entry, now) if entry is not None else None
-    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s, entry, shared)
+    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s, answers, entry, shared)

@@ -196,3 +196,4 @@ async def test_with_the_directory_down_a_replica_still_steers_by_its_own_splits(
         assert "splits arriving or answering there" in after.reason
     finally:
         await directory.aclose()
+

@@ -156,6 +156,7 @@ def split_or_not(
     *,
     answer_tokens: int,
     link: str,
+    answers: int = 1,
     tie_tolerance_s: float = 0.001,
     memory: MemoryPricing | None = None,
     ttft_slack: float = DEFAULT_TTFT_SLACK,
@@ -181,7 +182,7 @@ def split_or_not(
     chosen = decision.node
     if not declares_roles(view) or (chosen is None and decode_serves_whole):
         return decision
-    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, link=link, memory=memory)
+    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory)
     if chosen is None:
         return forced_split(decision, pairs, view, link)
     agg_nv = next((nv for nv in view.nodes if nv.node.node_id == chosen.node_id), None)
@@ -253,11 +254,11 @@ class _Pairs:
 
     def __init__(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *,
-        answer_tokens: int, link: str, memory: MemoryPricing | None,
+        answer_tokens: int, link: str, memory: MemoryPricing | None, answers: int = 1,
     ) -> None:
         est = TtftEstimator(profile, request, link=link)
         n = self.prompt_tokens = request.prompt_tokens
-        self._answer_tokens, self._step = answer_tokens, profile.decode_step_seconds
+        self._answer_tokens, self._answers, self._step = answer_tokens, answers, profile.decode_step_seconds
         self._hidden_s = profile.prefill_overhead_s + profile.decode_step_base_s
 
         def memory_s(nv: NodeView) -> float:
@@ -280,7 +281,7 @@ class _Pairs:
         self.last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself
 
     def decode_s(self, nv: NodeView) -> float:
-        return self._answer_tokens * self._step(nv.load.inflight + 1, self.prompt_tokens)
+        return self._answer_tokens * self._step(nv.load.inflight + self._answers, self.prompt_tokens)  # its answers side by side
 
     def stall_s(self, nv: NodeView, prefill: float) -> float:
         if nv.node.role == "prefill" or prefill <= self._hidden_s:
