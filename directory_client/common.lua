@@ -71,13 +71,15 @@ local function current_load(load, resv, now)
     -- "0 - x", not "-x": Lua's -0 reaches Redis as "-0", which HINCRBY rejects
     if tokens > 0 then redis.call('HINCRBY', load, 't', 0 - tokens) end
   end
-  local l = redis.call('HMGET', load, 'r', 't', 's')
+  -- 'a': the latest end of a split arrival recorded on the node (reserve.lua), so that a lookup
+  -- reads the arrivals key only while one may be live (most nodes never have one)
+  local l = redis.call('HMGET', load, 'r', 't', 's', 'a')
   local r, t = tonumber(l[1]) or 0, tonumber(l[2]) or 0
   if r < 0 then r = 0 end
   if t < 0 then t = 0 end
   local due = 0
   if t > 0 then due = math.max((tonumber(l[3]) or now) - now, 0) end
-  return r, t, due
+  return r, t, due, (tonumber(l[4]) or 0) > now
 end
 
 -- split arrivals kept per decode node (directory_client.types.MAX_ARRIVALS_PER_NODE)
@@ -110,7 +112,9 @@ end
 local function node_view(meta, blocks, load, resv, keys, n, now)
   local m = redis.call('HMGET', meta, 'info', 'until')
   if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
-  local r, t, due = current_load(load, resv, now)
+  local r, t, due, arriving = current_load(load, resv, now)
   local held, worst = held_prefix(blocks, keys, n)
-  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due, arrivals_view(arr_key(resv), now)}
+  local arrivals = {}
+  if arriving then arrivals = arrivals_view(arr_key(resv), now) end
+  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due, arrivals}
 end

@@ -8,7 +8,8 @@ live in one slot and one script can touch them together):
   P:{node}:meta       hash  info -> NodeInfo json, until -> heartbeat deadline (ms, server clock),
                             bridged -> the last writer-lease holder ("" once a lapse cleared its entries)
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
-  P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens
+  P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens, a -> latest end of
+                            an arrival in arr (lookups read arr only while it is ahead)
   P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms) ("token*n|prefill":
                             it counts n requests in flight, a request generating n answers), and, while its
                             prefill counts, "p:token|prefill" -> when its first token is due;

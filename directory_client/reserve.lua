@@ -42,6 +42,10 @@ if ARGV[6] and ARGV[6] ~= '' then
   redis.call('ZREMRANGEBYSCORE', arr, '-inf', now)
   local extra = redis.call('ZRANGE', arr, 0, -(MAX_ARRIVALS + 1))  -- soonest ends beyond the bound
   if #extra > 0 then redis.call('ZREM', arr, unpack(extra)) end
-  if redis.call('PEXPIRETIME', arr) < last then redis.call('PEXPIREAT', arr, last) end
+  -- lookups read arr while 'a' (the latest end) is ahead: load and resv live that long too, together
+  if last > (tonumber(redis.call('HGET', KEYS[1], 'a')) or 0) then redis.call('HSET', KEYS[1], 'a', last) end
+  for _, k in ipairs({KEYS[1], KEYS[2], arr}) do
+    if redis.call('PEXPIRETIME', k) < last then redis.call('PEXPIREAT', k, last) end
+  end
 end
 return 1
