@@ -194,6 +194,8 @@ def decide_round(
         if leaving:
             kept = tuple(nv for nv in view.nodes if nv.node.node_id not in draining)
             view = replace(view, nodes=kept, pull_sources=leaving)
+    if answers > 1:  # the extra answers' KV: memory the request adds on its node (RoutingRequest.answer_blocks)
+        request = replace(request, answer_blocks=-(-(answers - 1) * answer_tokens // max(request.block_size, 1)))
     roles = declares_roles(view)
     arrivals = policy.pending_arrivals if roles and isinstance(policy, KvgatePolicy) else None
     if arrivals is not None:

@@ -32,6 +32,10 @@ class RoutingRequest:
     """Spreads ties: equally good nodes are ordered by a hash of (node, affinity). The gateway
     passes the prompt's last block key, so distinct conversations spread over idle nodes while
     the same prompt always prefers the same one (and finds its own blocks there next turn)."""
+    answer_blocks: int = 0
+    """KV blocks the request's answers beyond the first take on its node (a request asking for n
+    answers decodes n sequences side by side): memory it adds there besides its prompt's. The
+    first answer's, like every request's, is not priced."""
 
 
 @fast_frozen_init

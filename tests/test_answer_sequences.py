@@ -1,6 +1,7 @@
 """A request asking for n answers (``n``, ``best_of``) is priced as the n sequences the engine
-decodes at once: in its answer budget, in its service time, and in the load every replica sees
-(a reservation counting n requests in flight, on every directory backend).
+decodes at once: in its answer budget, in its service time, in the memory its answers take, and
+in the load every replica sees (a reservation counting n requests in flight, on every directory
+backend).
 
 What the engine does, measured on a real ``vllm serve`` (0.32, CPU, /v1/completions): ``n`` of
 ``3``, ``"3"``, ``3.0`` and ``true`` are served (3, 3, 3, 1 choices); ``"x"`` and ``2.5`` are a 400
@@ -156,3 +157,25 @@ def test_a_split_prices_its_answers_in_the_decode_nodes_batch() -> None:
     one, many = rnd(1), rnd(32)
     assert many.answers == 32 and one.answers == 1
     assert many.service_s - many.ttft_s > one.service_s - one.ttft_s  # 32 sequences join the decode node's batch of 8
+
+
+def test_the_memory_many_answers_take_keeps_them_off_a_node_that_would_evict_for_them() -> None:
+    from directory_client.types import DirectoryView, NodeLoad, NodeView, Tier
+    from gateway.decision_round import decide_round
+    from gateway.types import RoutingRequest
+
+    def view(nid: str, cached: int, held: int) -> NodeView:  # 3000 blocks of memory each
+        return NodeView(NodeInfo(nid, f"10.0.0.{ord(nid[0])}:8000", capacity_blocks=3000), cached, Tier.GPU, NodeLoad(), held)
+
+    fleet = DirectoryView((view("a", 100, 2000), view("b", 0, 200)))  # a holds 100 blocks of the prompt, 1000 free
+    bs = PROFILE.block_size
+    req = RoutingRequest(model="m", prompt_tokens=250 * bs, total_blocks=250, block_size=bs, affinity=3)
+
+    def chosen(answers: int):  # type: ignore[no-untyped-def]
+        return decide_round(make_policy("kvgate"), req, fleet, PROFILE, now=0.0, answer_tokens=512, answers=answers).decision
+
+    one, many = chosen(1), chosen(32)
+    assert one.node is not None and one.node.node_id == "a", one.reason  # the prompt fits beside what a holds
+    # 31 more answers of 512 tokens: 992 blocks more, which a would evict for
+    assert many.node is not None and many.node.node_id == "b", many.reason
+    assert "memory" in many.reason

@@ -180,7 +180,7 @@ class TtftEstimator:
         else:
             src_blocks, src_tokens, src_tier, pull_prefill = 0, 0, Tier.GPU, 0.0
         pull_memo: dict[tuple[int, Tier], float] = {}  # most nodes hold nothing: one transfer price
-        memory, total_blocks = self.memory, self.request.total_blocks
+        memory, total_blocks = self.memory, self.request.total_blocks + self.request.answer_blocks  # what the node adds
         out: list[CandidateCost] = []
         append = out.append
         # queue_s inlined (same arithmetic), and a node holding nothing of the prompt (most of a

@@ -262,7 +262,7 @@ class _Pairs:
         self._hidden_s = profile.prefill_overhead_s + profile.decode_step_base_s
 
         def memory_s(nv: NodeView) -> float:
-            return memory.price(nv, request.total_blocks)[1] if memory is not None else 0.0
+            return memory.price(nv, request.total_blocks + request.answer_blocks)[1] if memory is not None else 0.0
 
         self.prefill_side: list[_Side] = []
         self.decode_side: list[_Side] = []
