@@ -13,10 +13,9 @@ that the drain has not copied yet is pulled from it rather than recomputed.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Any
-
-import re
 
 import numpy as np
 import xxhash
@@ -183,9 +182,10 @@ def decide_round(
 
     The time to first token is the policy's own estimate for the chosen node (queue + transfer +
     prefill); the service time adds the answer budget (``answer_tokens`` for each of ``answers``
-    answers, ``answer_budget``) decoded at the node's batch size with this request's answers in it. With no node chosen every figure is zero. A split is recorded in the policy's
-    ledger of KV arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end;
-    the other replicas' splits come in ``view`` (``NodeView.arrivals``) and join it first.
+    answers, ``answer_budget``) decoded at the node's batch size with this request's answers in
+    it. With no node chosen every figure is zero. A split is recorded in the policy's ledger of KV
+    arriving on decode nodes (``gateway.policy.arrivals``) until its estimated end; the other
+    replicas' splits come in ``view`` (``NodeView.arrivals``) and join it first.
     Nodes in ``draining`` are not candidates unless no other node is live (a drain never turns
     traffic away); they stay pull sources for the policies that pull.
     """
