@@ -197,3 +197,22 @@ async def test_with_the_directory_down_a_replica_still_steers_by_its_own_splits(
     finally:
         await directory.aclose()
 
+
+
+async def test_an_explained_split_arrives_nowhere() -> None:
+    """``/debug/explain`` runs the decision without routing: its split must not sit in the ledger
+    (before, each explain of a long document kept later prompts off that decode node)."""
+    from directory_client import InProcessDirectory
+
+    directory = InProcessDirectory(index_stride=1, heartbeat_ttl_s=10_000.0)
+    await fleet(directory)
+    gw = replica(directory)
+    explained = await gw.explain("/v1/completions", body(DOC, 2048))
+    assert explained.decision is not None and explained.decision.prefill is not None, explained.decision.reason
+    assert not gw.policy.pending_arrivals
+    routed = await gw.route("/v1/completions", body(DOC, 2048))
+    assert routed.decision is not None and routed.decision.prefill is not None
+    assert len(gw.policy.pending_arrivals.arrivals(routed.decision.node.node_id)) == 1
+    view = await directory.lookup([])
+    assert {nv.node.node_id: len(nv.arrivals) for nv in view.nodes} == {"d1": 1, "d2": 0, "p1": 0}  # shared too
+    await gw.release(routed)
