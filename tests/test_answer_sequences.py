@@ -1,4 +1,4 @@
-"""A request asking for n answers (``n``, ``best_of``) is priced as the n sequences the engine
+"""A request asking for n answers (``n``) is priced as the n sequences the engine
 decodes at once: in its answer budget, in its service time, in the memory its answers take, and
 in the load every replica sees (a reservation counting n requests in flight, on every directory
 backend).
@@ -8,7 +8,7 @@ What the engine does, measured on a real ``vllm serve`` (0.32, CPU, /v1/completi
 validation error; ``0`` and ``-1`` a 400 "n must be at least 1, got 0."; ``10**9`` and ``16385`` a
 400 "n must be at most 16384" (its VLLM_MAX_N_SEQUENCES: configurable, so kvgate bounds the
 estimate instead of refusing); ``null`` a 400 on completions, 1 on chat; ``best_of`` is ignored
-(one choice), which kvgate still prices (engines before vLLM V1 generated it)."""
+(one choice), and kvgate does not price it either."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ PROFILE = load_profile("llama-3.1-8b-h100")
     ("fields", "answers"),
     [
         ({}, 1), ({"n": None}, 1), ({"n": 1}, 1), ({"n": 8}, 8), ({"n": "8"}, 8), ({"n": 8.0}, 8), ({"n": True}, 1),
-        ({"n": 2, "best_of": 5}, 5), ({"n": 5, "best_of": 2}, 5), ({"best_of": "x"}, 1), ({"best_of": -4}, 1),
+        ({"n": 2, "best_of": 5}, 2), ({"n": 5, "best_of": 2}, 5), ({"best_of": "x"}, 1), ({"best_of": -4}, 1),
         ({"n": 10**9}, 10**9),
     ],
 )
