@@ -157,6 +157,14 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     return bridges
 
 
+def tokenizer_from_config(cfg: KvgateConfig) -> PromptTokenizer:
+    """The request path's tokenizer with the configured source, template and memory bounds."""
+    t = cfg.tokenizer
+    return PromptTokenizer(
+        t.source, chat_template=t.chat_template, cache_bytes=t.cache_bytes, chunk_memo_bytes=t.chunk_memo_bytes
+    )
+
+
 async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
     stop = stop or asyncio.Event()
     if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
@@ -164,9 +172,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    tokenizer = PromptTokenizer(
-        cfg.tokenizer.source, chat_template=cfg.tokenizer.chat_template, cache_bytes=cfg.tokenizer.cache_bytes
-    )
+    tokenizer = tokenizer_from_config(cfg)
     directory = open_directory(
         cfg.directory.url,
         key_prefix=cfg.directory.key_prefix,
