@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -157,6 +158,20 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     return bridges
 
 
+def settle_heap() -> int:
+    """Move what start-up allocated (modules, classes, templates, config: ~100k objects) out of
+    the garbage collector's reach; returns how many objects that was.
+
+    A full collection walks every tracked object, and walking these took 60–180 ms on a 2-core
+    machine under load, with the event loop stopped: every request in flight waited it out (a
+    1k chat beside a flood of fresh 128k prompts, whose survivors trigger full collections, saw
+    its p99 rise by ~70 ms). Frozen, they are never walked again; start-up objects that become
+    garbage later are never freed (few, and bounded by what start-up made)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def tokenizer_from_config(cfg: KvgateConfig) -> PromptTokenizer:
     """The request path's tokenizer with the configured source, template and memory bounds."""
     t = cfg.tokenizer
@@ -255,6 +270,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await doctor.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
+        settle_heap()
         log.info(
             "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
