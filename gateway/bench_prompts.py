@@ -16,10 +16,13 @@ buffering proxy shows in both.
 Per cell: latency p50/p99 and what kvgate adds over plain Envoy, kvgate's decision p50/p99 (its
 ``kvgate_decision_seconds{stage="total"}`` histogram, interpolated in its buckets), kvgate's CPU
 per request on the request path (the serve process) and in the background worker (its children),
-and Envoy's. ``interference`` then measures the p99 of continuing 1k chats alone and while fresh
-prompts of the largest size arrive back to back, through plain Envoy and through kvgate (in rounds
-Envoy, kvgate, kvgate, Envoy): a fresh prompt must not hold up the others more than the long body
-itself does.
+and Envoy's. ``chat_rounds`` then measures continuing chats of the smallest and the largest size
+in ``--rounds`` rounds (the sizes taking turns to go first), each round's ratio of their added p50
+with the median and spread of the rounds: the ratio of two cells measured minutes apart carried
+the drift of plain Envoy's own p50 between them. ``interference`` measures the p99 of continuing
+1k chats alone and while fresh prompts of the largest size arrive back to back, through plain
+Envoy and through kvgate (in ``--rounds`` rounds, the targets taking turns to go first), per round
+and pooled: a fresh prompt must not hold up the others more than the long body itself does.
 """
 
 from __future__ import annotations
