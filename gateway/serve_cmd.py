@@ -180,7 +180,9 @@ def tokenizer_from_config(cfg: KvgateConfig) -> PromptTokenizer:
     )
 
 
-async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
+async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_heap: bool = False) -> None:
+    """Serve until ``stop`` (or SIGTERM/SIGINT). ``freeze_heap``: once started, ``settle_heap``
+    (the CLI's process; a test serving inside its runner must not freeze the runner's heap)."""
     stop = stop or asyncio.Event()
     if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
         loop = asyncio.get_running_loop()
@@ -270,7 +272,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await doctor.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
-        settle_heap()
+        if freeze_heap:
+            log.info("start-up heap frozen: %d objects out of the garbage collector's reach", settle_heap())
         log.info(
             "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
@@ -332,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, freeze_heap=True))
     except ConfigError as e:  # found while wiring, e.g. an OTEL_* variable tracing cannot use
         print(f"kvgate: invalid configuration:\n{e}", file=sys.stderr)
         return 2
