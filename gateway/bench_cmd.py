@@ -61,6 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="also sweep prompt lengths, e.g. 1k,8k,32k,128k (continuing chat, fresh prompt, token IDs)")
     p.add_argument("--sweep-requests", type=int, default=40, help="requests per sweep cell at concurrency 1")
     p.add_argument("--sweep-concurrency", type=int, default=32, help="requests in flight in the sweep's loaded cells")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="the sweep's rounds of smallest/largest continuing chats and of the interference run (per-round spread)")
     p.add_argument("--background-worker", choices=("process", "thread"), default="process",
                    help="kvgate's tokenizer.background_worker for this run")
     p.add_argument("--json", dest="json_path", help="write the figures here")
@@ -406,13 +408,13 @@ async def overhead(args: argparse.Namespace, targets: Sequence[str], sizes: Sequ
             results["prompt_sweep"] = await sweep(
                 sizes, envoy_url=f"http://127.0.0.1:{listen['envoy']}", kvgate_url=f"http://127.0.0.1:{listen['kvgate_ext_authz']}",
                 kvgate_pid=kv.pid, envoy_pid=procs["kvgate_ext_authz"].pid, admin_url=f"http://127.0.0.1:{admin_port}",
-                requests=args.sweep_requests, concurrency=args.sweep_concurrency, model=MODEL,
+                requests=args.sweep_requests, concurrency=args.sweep_concurrency, model=MODEL, rounds=args.rounds,
                 sglang_url=f"http://127.0.0.1:{listen['sglang']}" if "sglang" in listen else None,
                 sglang_pid=procs["sglang"].pid if "sglang" in procs else None,
             )
         results["meta"] = {"requests": args.requests, "concurrency_for_rps": args.concurrency, "targets": list(targets),
                            "history_tokens": args.history_tokens, "directory": args.directory,
-                           "background_worker": args.background_worker}
+                           "background_worker": args.background_worker, "rounds": args.rounds}
         return results
     finally:
         for p in procs.values():
@@ -476,6 +478,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         targets = parse_targets(args.targets)
         sizes = parse_sizes(args.prompt_tokens)
+        if args.rounds < 1:
+            raise ValueError("--rounds must be at least 1")
         if sizes and "kvgate_ext_authz" not in targets:
             raise ValueError("--prompt-tokens sweeps kvgate over ext_authz: keep kvgate_ext_authz in --targets")
         check_targets(targets, bool(sizes))

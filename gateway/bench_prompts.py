@@ -16,16 +16,20 @@ buffering proxy shows in both.
 Per cell: latency p50/p99 and what kvgate adds over plain Envoy, kvgate's decision p50/p99 (its
 ``kvgate_decision_seconds{stage="total"}`` histogram, interpolated in its buckets), kvgate's CPU
 per request on the request path (the serve process) and in the background worker (its children),
-and Envoy's. ``interference`` then measures the p99 of continuing 1k chats alone and while fresh
-prompts of the largest size arrive back to back, through plain Envoy and through kvgate (in rounds
-Envoy, kvgate, kvgate, Envoy): a fresh prompt must not hold up the others more than the long body
-itself does.
+and Envoy's. ``chat_rounds`` then measures continuing chats of the smallest and the largest size
+in ``--rounds`` rounds (the sizes taking turns to go first), each round's ratio of their added p50
+with the median and spread of the rounds: the ratio of two cells measured minutes apart carried
+the drift of plain Envoy's own p50 between them. ``interference`` measures the p99 of continuing
+1k chats alone and while fresh prompts of the largest size arrive back to back, through plain
+Envoy and through kvgate (in ``--rounds`` rounds, the targets taking turns to go first), per round
+and pooled: a fresh prompt must not hold up the others more than the long body itself does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 from collections.abc import Sequence
 
 import aiohttp
@@ -160,8 +164,10 @@ async def _cell(
 async def sweep(
     sizes: Sequence[int], *, envoy_url: str, kvgate_url: str, kvgate_pid: int, envoy_pid: int, admin_url: str,
     requests: int, concurrency: int, model: str, sglang_url: str | None = None, sglang_pid: int | None = None,
+    rounds: int = 4,
 ) -> dict:
-    """Every kind × size × (1, ``concurrency``), then the interference run; the figures as a dict."""
+    """Every kind × size × (1, ``concurrency``), then ``rounds`` rounds of continuing chats of the
+    smallest and largest size (``chat_rounds``) and of the interference run; the figures as a dict."""
     make = Bodies(model)
     urls = {"envoy": envoy_url, "kvgate": kvgate_url, "sglang": sglang_url or ""}
     out: dict = {"cells": [], "concurrency": concurrency}
@@ -171,8 +177,9 @@ async def sweep(
         for target in ("envoy", "kvgate", "sglang"):
             if urls[target]:
                 await run_requests(s, urls[target] + CHAT, warm, 1)
+        by_size = {size: [make.doc(f"Chat {size}-{c}", size) for c in range(CONVERSATIONS)] for size in sizes}
         for size in sizes:
-            histories = [make.doc(f"Chat {size}-{c}", size) for c in range(CONVERSATIONS)]
+            histories = by_size[size]
             for c, history in enumerate(histories):  # seen before: one earlier turn of each chat
                 await post(s, urls["kvgate"] + CHAT, make.chat(history, -1))
                 await background_idle(s, admin_url)
@@ -187,64 +194,130 @@ async def sweep(
                                        admin_url=admin_url, sglang_pid=sglang_pid)
                     cell.update(kind=kind, size=size, concurrency=conc, prompt_tokens=make.prompt_tokens(path, bodies[0]))
                     out["cells"].append(cell)
-        out["interference"] = await _interference(s, urls, make, max(sizes), 2 * requests, admin_url)
+        if len(sizes) > 1 and rounds > 0:
+            out["chat_rounds"] = await chat_rounds(s, urls, make, {k: by_size[k] for k in (min(sizes), max(sizes))}, requests, rounds)
+        out["interference"] = await _interference(s, urls, make, max(sizes), 2 * requests, admin_url, rounds=max(rounds, 1))
     out["goals"] = goals(out)
     return out
 
 
+def spread(values: Sequence[float]) -> dict:
+    """Per-round figures and their median, min and max: how far one round's figure can be trusted."""
+    ordered = sorted(values)
+    return {"per_round": list(values), "median": statistics.median(ordered) if ordered else None,
+            "min": ordered[0] if ordered else None, "max": ordered[-1] if ordered else None}
+
+
 def goals(result: dict) -> dict[str, float]:
-    """The sweep's figures the request-path goals are stated in, from cells at concurrency 1:
-    what a continuing chat of the largest size adds over what one of the smallest adds (goal ≤ 2),
-    a fresh prompt of the largest size's added p99 (goal ≤ 50 ms), and how much more the p99 of
-    other requests rises through kvgate than through plain Envoy while those arrive (goal ≤ 2 ms)."""
+    """The sweep's figures the request-path goals are stated in: what a continuing chat of the
+    largest size adds over what one of the smallest adds (goal ≤ 2; the median of the rounds of
+    ``chat_rounds`` when measured, else from the cells at concurrency 1), a fresh prompt of the
+    largest size's added p99 at concurrency 1 (goal ≤ 50 ms), and how much more the p99 of other
+    requests rises through kvgate than through plain Envoy while those arrive (goal ≤ 2 ms; the
+    median of the rounds)."""
     alone = {(c["kind"], c["size"]): c for c in result["cells"] if c["concurrency"] == 1}
     sizes = sorted({size for _, size in alone})
     out: dict[str, float] = {}
     small, large = alone.get(("chat", sizes[0])), alone.get(("chat", sizes[-1]))
-    if small and large and small["added_p50_ms"] > 0:
+    ratio = result.get("chat_rounds", {}).get("ratio", {})
+    if ratio.get("median") is not None:
+        out["chat_largest_added_p50_over_smallest"] = ratio["median"]
+        out["chat_largest_added_p50_over_smallest_min"] = ratio["min"]
+        out["chat_largest_added_p50_over_smallest_max"] = ratio["max"]
+    elif small and large and small["added_p50_ms"] > 0:
         out["chat_largest_added_p50_over_smallest"] = large["added_p50_ms"] / small["added_p50_ms"]
     fresh = alone.get(("fresh", sizes[-1]))
     if fresh:
         out["fresh_largest_added_p99_ms"] = fresh["added_p99_ms"]
     if "interference" in result:
-        out["interference_p99_rise_over_envoy_ms"] = result["interference"]["kvgate_p99_rise_over_envoy_ms"]
+        rise = result["interference"]["rise_over_envoy"]
+        out["interference_p99_rise_over_envoy_ms"] = rise["median"]
+        out["interference_p99_rise_over_envoy_ms_min"] = rise["min"]
+        out["interference_p99_rise_over_envoy_ms_max"] = rise["max"]
+        out["interference_pooled_p99_rise_over_envoy_ms"] = result["interference"]["kvgate_p99_rise_over_envoy_ms"]
     return out
 
 
-async def _interference(s: aiohttp.ClientSession, urls: dict[str, str], make: Bodies, size: int, n: int, admin_url: str) -> dict:
+async def chat_rounds(
+    s: aiohttp.ClientSession, urls: dict[str, str], make: Bodies, histories: dict[int, list[str]], n: int, rounds: int
+) -> dict:
+    """Continuing chats of the smallest and the largest size (``histories``: each seen before),
+    in ``rounds`` rounds, the two sizes taking turns to go first (ABBA…), each batch alternating
+    plain Envoy and kvgate request by request. Per round: each size's added p50 and the ratio of
+    the largest's to the smallest's. Measured minutes apart, two cells' ratio carried the drift of
+    plain Envoy's own p50 between them (0.5–1.0 ms on this machine); here each round's ratio is
+    measured within seconds, and the spread of the rounds says how far one figure can be trusted."""
+    small, large = min(histories), max(histories)
+    pooled: dict[int, tuple[list[float], list[float]]] = {size: ([], []) for size in (small, large)}
+    per_round = []
+    for r in range(rounds):
+        added = {}
+        for size in ((small, large) if r % 2 == 0 else (large, small)):
+            bodies = [make.chat(histories[size][i % CONVERSATIONS], 100_000 + r * n + i) for i in range(n)]  # new turns
+            base, lat = await alternating(s, urls["envoy"] + CHAT, urls["kvgate"] + CHAT, bodies)
+            pooled[size][0].extend(base)
+            pooled[size][1].extend(lat)
+            added[size] = percentiles(lat)["p50_ms"] - percentiles(base)["p50_ms"]
+        per_round.append({"added_p50_ms": {str(k): v for k, v in added.items()},
+                          "ratio": added[large] / added[small] if added[small] > 0 else None})
+    pooled_added = {size: percentiles(lat)["p50_ms"] - percentiles(base)["p50_ms"] for size, (base, lat) in pooled.items()}
+    ratios = [r["ratio"] for r in per_round if r["ratio"] is not None]
+    return {
+        "sizes": [small, large], "requests_per_round": n, "rounds": per_round, "ratio": spread(ratios),
+        "pooled_added_p50_ms": {str(k): v for k, v in pooled_added.items()},
+        "pooled_ratio": pooled_added[large] / pooled_added[small] if pooled_added[small] > 0 else None,
+    }
+
+
+async def _interference(
+    s: aiohttp.ClientSession, urls: dict[str, str], make: Bodies, size: int, n: int, admin_url: str, *, rounds: int = 2
+) -> dict:
     """p50/p99 of continuing 1k chats at concurrency 1, alone and while fresh ``size`` prompts
     arrive back to back on other connections — through kvgate and, as the baseline, through plain
     Envoy (the same machine also carries the long bodies there: what kvgate adds is the difference).
 
-    Four rounds of ``n // 2`` chats each, Envoy, kvgate, kvgate, Envoy, pooled per target: a load
-    that drifts over the run weighs on both targets alike."""
+    ``rounds`` rounds of ``n // 2`` chats alone and ``n // 2`` beside the flood per target, the
+    targets taking turns to go first (Envoy, kvgate, kvgate, Envoy, …): a load that drifts over the
+    run weighs on both alike. Per round, the rise of kvgate's p99 over the rise of Envoy's (its
+    spread says how far one figure can be trusted); pooled per target as well."""
     history = make.doc("Interference chat", 1000)
     await post(s, urls["kvgate"] + CHAT, make.chat(history, -1))
     half = max(n // 2, 1)
     pooled = {t: {"alone": [], "with_fresh": [], "fresh": []} for t in ("envoy", "kvgate")}
-    for r, target in enumerate(("envoy", "kvgate", "kvgate", "envoy")):
-        url = urls[target] + CHAT
-        normal = [make.chat(history, r * half + i) for i in range(half)]  # a new turn each: none cached yet
-        pooled[target]["alone"] += await run_requests(s, url, normal, 1)
-        stop = asyncio.Event()
-        fresh_lat = pooled[target]["fresh"]
-        flood_bodies = [make.fresh(f"Flood {target} {r} {i}", size) for i in range(n)]  # built before: the client must not stall
+    per_round = []
+    turn = 0
+    for r in range(rounds):
+        rises = {}
+        for target in (("envoy", "kvgate") if r % 2 == 0 else ("kvgate", "envoy")):
+            url = urls[target] + CHAT
+            normal = [make.chat(history, turn + i) for i in range(2 * half)]  # a new turn each: none cached yet
+            turn += 2 * half
+            alone = await run_requests(s, url, normal[:half], 1)
+            stop = asyncio.Event()
+            fresh_lat = pooled[target]["fresh"]
+            flood_bodies = [make.fresh(f"Flood {target} {r} {i}", size) for i in range(n)]  # built before: the client must not stall
 
-        async def flood() -> None:
-            for body in flood_bodies:
-                if stop.is_set():
-                    return
-                fresh_lat.append(await post(s, url, body))
+            async def flood() -> None:
+                for body in flood_bodies:
+                    if stop.is_set():
+                        return
+                    fresh_lat.append(await post(s, url, body))
 
-        task = asyncio.create_task(flood())
-        await asyncio.sleep(0.2)
-        try:
-            pooled[target]["with_fresh"] += await run_requests(s, url, normal, 1)
-        finally:
-            stop.set()
-            await task
-        await background_idle(s, admin_url)
-    out: dict = {"fresh_tokens": size}
+            task = asyncio.create_task(flood())
+            await asyncio.sleep(0.2)
+            try:
+                busy = await run_requests(s, url, normal[half:], 1)
+            finally:
+                stop.set()
+                await task
+            await background_idle(s, admin_url)
+            pooled[target]["alone"] += alone
+            pooled[target]["with_fresh"] += busy
+            rises[target] = percentiles(busy)["p99_ms"] - percentiles(alone)["p99_ms"]
+        per_round.append({"envoy_p99_rise_ms": rises["envoy"], "kvgate_p99_rise_ms": rises["kvgate"],
+                          "rise_over_envoy_ms": rises["kvgate"] - rises["envoy"]})
+    out: dict = {"fresh_tokens": size, "chats_per_round": half, "rounds": per_round,
+                 "rise_over_envoy": spread([r["rise_over_envoy_ms"] for r in per_round])}
     for target, lat in pooled.items():
         alone, busy = percentiles(lat["alone"]), percentiles(lat["with_fresh"])
         out[target] = {"alone": alone, "with_fresh": busy, "fresh": percentiles(lat["fresh"]), "fresh_requests": len(lat["fresh"]),
@@ -279,6 +352,21 @@ def print_sweep(result: dict, console: Console) -> None:
             f"alone, {r['with_fresh']['p50_ms']:.2f}/{r['with_fresh']['p99_ms']:.2f} ms while {r['fresh_requests']} fresh "
             f"{i['fresh_tokens']:,}-token prompts arrived (their p99 {r['fresh']['p99_ms']:.1f} ms): p99 rise {r['p99_rise_ms']:+.2f} ms"
         )
-    console.print(f"p99 rise kvgate adds over plain Envoy's: {i['kvgate_p99_rise_over_envoy_ms']:+.2f} ms")
+    console.print(f"p99 rise kvgate adds over plain Envoy's: {i['kvgate_p99_rise_over_envoy_ms']:+.2f} ms pooled; per round "
+                  + _rounds_text(i["rise_over_envoy"], "{:+.2f}") + " ms")
+    if "chat_rounds" in result:
+        c = result["chat_rounds"]
+        small, large = c["sizes"]
+        console.print(f"continuing chat, {large:,} / {small:,} tokens added p50, per round of {c['requests_per_round']} a size: "
+                      + _rounds_text(c["ratio"], "{:.2f}")
+                      + ("" if c["pooled_ratio"] is None else f"; pooled {c['pooled_ratio']:.2f}"))
     for key, value in result.get("goals", {}).items():
-        console.print(f"{key}: {value:.2f}")
+        if value is not None:
+            console.print(f"{key}: {value:.2f}")
+
+
+def _rounds_text(figures: dict, fmt: str) -> str:
+    if figures["median"] is None:
+        return "(none)"
+    shown = ", ".join(fmt.format(v) for v in figures["per_round"])
+    return f"{shown} (median {fmt.format(figures['median'])}, {fmt.format(figures['min'])} to {fmt.format(figures['max'])})"

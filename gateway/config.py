@@ -137,6 +137,9 @@ class TokenizerConfig(_Section):
         "process", description="where a head-routed prompt is tokenized in full afterwards (idle priority, off the request path)"
     )
     background_queue: int = Field(4, ge=1, description="prompts waiting for that; more are dropped and counted")
+    chunk_memo_bytes: ByteSize = Field(
+        64 * MiB, description="long chat messages met twice kept with their cut and token IDs (0: off; tokenizer/chunked.py)"
+    )
 
     @field_validator("chat_template")
     @classmethod

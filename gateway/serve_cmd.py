@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -157,16 +158,38 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
     return bridges
 
 
-async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None:
+def settle_heap() -> int:
+    """Move what start-up allocated (modules, classes, templates, config: ~100k objects) out of
+    the garbage collector's reach; returns how many objects that was.
+
+    A full collection walks every tracked object, and walking these took 60–180 ms on a 2-core
+    machine under load, with the event loop stopped: every request in flight waited it out (a
+    1k chat beside a flood of fresh 128k prompts, whose survivors trigger full collections, saw
+    its p99 rise by ~70 ms). Frozen, they are never walked again; start-up objects that become
+    garbage later are never freed (few, and bounded by what start-up made)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def tokenizer_from_config(cfg: KvgateConfig) -> PromptTokenizer:
+    """The request path's tokenizer with the configured source, template and memory bounds."""
+    t = cfg.tokenizer
+    return PromptTokenizer(
+        t.source, chat_template=t.chat_template, cache_bytes=t.cache_bytes, chunk_memo_bytes=t.chunk_memo_bytes
+    )
+
+
+async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_heap: bool = False) -> None:
+    """Serve until ``stop`` (or SIGTERM/SIGINT). ``freeze_heap``: once started, ``settle_heap``
+    (the CLI's process; a test serving inside its runner must not freeze the runner's heap)."""
     stop = stop or asyncio.Event()
     if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
 
-    tokenizer = PromptTokenizer(
-        cfg.tokenizer.source, chat_template=cfg.tokenizer.chat_template, cache_bytes=cfg.tokenizer.cache_bytes
-    )
+    tokenizer = tokenizer_from_config(cfg)
     directory = open_directory(
         cfg.directory.url,
         key_prefix=cfg.directory.key_prefix,
@@ -249,6 +272,8 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None) -> None
             await doctor.start()
         await admin_runner.setup()
         await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
+        if freeze_heap:
+            log.info("start-up heap frozen: %d objects out of the garbage collector's reach", settle_heap())
         log.info(
             "kvgate serving on %s: ext_proc %s, ext_authz %s, admin %d; directory %s, policy %s, %d nodes (%d bridged)",
             cfg.listen_host, cfg.ext_proc_port if grpc_server else "off", cfg.ext_authz_port or "off", cfg.admin_port,
@@ -310,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         pass
     try:
-        asyncio.run(serve(cfg))
+        asyncio.run(serve(cfg, freeze_heap=True))
     except ConfigError as e:  # found while wiring, e.g. an OTEL_* variable tracing cannot use
         print(f"kvgate: invalid configuration:\n{e}", file=sys.stderr)
         return 2

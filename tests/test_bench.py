@@ -25,7 +25,7 @@ def test_overhead_reports_every_target_and_the_prompt_sweep(tmp_path: Path) -> N
     out = tmp_path / "bench.json"
     proc = kvgate(
         "bench", "overhead", "--requests", "20", "--warmup", "5", "--concurrency", "2",
-        "--prompt-tokens", "1k", "--sweep-requests", "3", "--sweep-concurrency", "2", "--json", str(out),
+        "--prompt-tokens", "1k,2k", "--sweep-requests", "3", "--sweep-concurrency", "2", "--rounds", "3", "--json", str(out),
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -46,16 +46,26 @@ def test_overhead_reports_every_target_and_the_prompt_sweep(tmp_path: Path) -> N
         set() if data["sglang"]["added_p50_ms"] > 0 else {"kvgate_ext_authz_added_p50_over_sglang"}
     )
     sweep = data["prompt_sweep"]
-    assert [(c["kind"], c["concurrency"]) for c in sweep["cells"]] == [
-        (kind, conc) for conc in (1, 2) for kind in ("chat", "fresh", "tokens")
+    assert [(c["kind"], c["size"], c["concurrency"]) for c in sweep["cells"]] == [
+        (kind, size, conc) for size in (1000, 2000) for conc in (1, 2) for kind in ("chat", "fresh", "tokens")
     ]
     for cell in sweep["cells"]:
-        assert 900 <= cell["prompt_tokens"] <= 1000, cell  # sized with the gateway's own tokenizer
+        assert 0.9 * cell["size"] <= cell["prompt_tokens"] <= cell["size"], cell  # sized with the gateway's own tokenizer
         assert cell["failed_open"] == 0 and cell["decision_p50_ms"] is not None
         assert ("sglang_p50_ms" in cell) == (cell["kind"] != "tokens")  # sglang-router refuses token IDs
     interference = sweep["interference"]
-    assert interference["fresh_tokens"] == 1000
+    assert interference["fresh_tokens"] == 2000
     assert interference["kvgate"]["with_fresh"]["p99_ms"] > 0 and interference["envoy"]["fresh_requests"] > 0
+    # per round, so that one run says how far its figures can be trusted
+    rises = [r["rise_over_envoy_ms"] for r in interference["rounds"]]
+    assert len(rises) == 3 and interference["rise_over_envoy"]["per_round"] == rises
+    assert interference["rise_over_envoy"]["min"] <= interference["rise_over_envoy"]["median"] <= interference["rise_over_envoy"]["max"]
+    chats = sweep["chat_rounds"]
+    assert chats["sizes"] == [1000, 2000] and len(chats["rounds"]) == 3
+    assert all(set(r["added_p50_ms"]) == {"1000", "2000"} for r in chats["rounds"])
+    assert [r["ratio"] for r in chats["rounds"] if r["ratio"] is not None] == chats["ratio"]["per_round"]
+    assert sweep["goals"]["interference_p99_rise_over_envoy_ms"] == interference["rise_over_envoy"]["median"]
+    assert "per round" in proc.stdout
     for heading in ("kvgate_ext_authz", "sglang", "prompt-length sweep", "interference"):
         assert heading in proc.stdout
 
@@ -114,3 +124,9 @@ async def test_the_sweep_alternates_its_two_targets_request_by_request() -> None
         ("a", b"0"), ("b", b"0"), ("b", b"1"), ("a", b"1"), ("a", b"2"), ("b", b"2"),
         ("b", b"3"), ("a", b"3"), ("a", b"4"), ("b", b"4"),
     ]
+
+
+def test_overhead_refuses_zero_rounds_before_any_run() -> None:
+    proc = kvgate("bench", "overhead", "--requests", "5", "--prompt-tokens", "1k", "--rounds", "0", timeout=60)
+    assert proc.returncode == 2 and "--rounds must be at least 1" in proc.stderr
+    assert "overhead (" not in proc.stdout

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -258,3 +259,38 @@ def test_an_events_collector_follows_the_nodes_without_an_events_endpoint():
     assert {s.node_id: (s.events, s.replay, s.topic) for s in map(bridge.spec, bridge.node_ids)} == {
         "a": (COLLECTOR, "tcp://10.0.0.1:5558", ""), "b": (COLLECTOR, None, "kv@b@m"),
     }  # fmt: skip
+
+
+def test_serving_settles_the_start_up_heap_out_of_the_collectors_reach():
+    """What ``kvgate serve`` allocated at start-up is frozen: a full collection (the event loop
+    stopped meanwhile) no longer walks it. Run in a child: freezing is for the whole process."""
+    import subprocess
+    import sys
+
+    code = (
+        "import gc; from gateway.serve_cmd import serve, settle_heap, tokenizer_from_config; from gateway.config import load_config;"
+        "tok = tokenizer_from_config(load_config()); before = len(gc.get_objects(2)); frozen = settle_heap();"
+        "after = len(gc.get_objects(2)); print(before, frozen, after); assert before > 20000 and frozen >= before and after < before // 100"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_kvgate_serve_freezes_its_start_up_heap_once_listening(tmp_path: Path):
+    """The CLI's ``kvgate serve`` settles its heap after start-up (and says how much)."""
+    from tests.conftest import free_port
+    from tests.support.procs import python_module, wait_for_port
+
+    admin = free_port()
+    config = write(tmp_path, {"listen_host": "127.0.0.1", "ext_proc_port": free_port(), "admin_port": admin,
+                              "directory": {"url": "memory://"}, "log": {"level": "INFO"}})
+    proc = python_module("kvgate", "gateway.cli", ["serve", "--config", str(config)], tmp_path)
+    try:
+        wait_for_port(admin, timeout_s=60, proc=proc.popen)
+        deadline = time.monotonic() + 30
+        while "start-up heap frozen" not in proc.output() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        line = next(li for li in proc.output().splitlines() if "start-up heap frozen" in li)
+        assert int(line.split("frozen: ")[1].split()[0]) > 20000, line
+    finally:
+        proc.stop()

@@ -168,3 +168,45 @@ def test_clearing_the_cache_forgets_kept_chunks_too(pt: PromptTokenizer) -> None
         pt.tokenize_body(CHAT, body)
     pt.clear_cache()
     assert len(pt.missing_pieces(pt.prepare(CHAT, body))) >= 1
+
+
+@pytest.mark.parametrize(("setting", "kept"), [("0", False), ("1MiB", True)])
+def test_the_configured_chunk_memo_bound_is_the_serving_tokenizers(setting: str, kept: bool) -> None:
+    """``tokenizer.chunk_memo_bytes`` reaches the tokenizer ``kvgate serve`` builds: 0 keeps no
+    chunk (every turn cuts the history again), 1 MiB keeps a chat's history and no more."""
+    from gateway.config import load_config
+    from gateway.serve_cmd import tokenizer_from_config
+
+    cfg = load_config(tokenizer={"chunk_memo_bytes": setting})
+    pt = tokenizer_from_config(cfg)
+    history = "Shipment 5 left port 2 on time. " * 400
+    for turn in range(4):
+        body = _chat(history, turn)
+        assert pt.tokenize_body(CHAT, body).token_ids.tolist() == _engine_ids(pt, body)
+    chunks = pt._encoder.chunks
+    assert (chunks.hits > 0) is kept and chunks.misses >= 2
+    assert chunks._bytes <= (1 << 20 if kept else 0)
+    for turn in range(40):  # many long chats, each met twice: the bound holds
+        body = _chat(f"Chat {turn}: " + "Shipment 5 left port 2 on time. " * 2000, turn)
+        pt.tokenize_body(CHAT, body)
+        pt.tokenize_body(CHAT, body)
+    assert 0 < chunks._bytes <= 1 << 20 if kept else chunks._bytes == 0
+
+
+def test_a_long_chunk_is_charged_once_kept_and_its_charge_given_back_on_eviction() -> None:
+    """A chunk met once is not costed (its UTF-8 length is a pass over a fresh prompt on the
+    request path); a kept chunk carries its charge, and evicting it gives back exactly that."""
+    from tokenizer.chunked import _cost
+
+    enc = SegmentedEncoder(VARIANTS["deepseek"](), cache_bytes=1 << 20)
+    texts = ["<｜User｜>" + f"Überseehafen {i}: shipments left port 7 on time. " * 200 for i in range(3)]
+    bound = _cost(texts[0], 2) + _cost(texts[1], 2) + 1024  # room for two of them
+    chunked = ChunkSplitter(enc.splitter, memo_bytes=bound)
+    first = chunked._layout(texts[0])
+    assert first is not None and first.cost == 0 and chunked._bytes == 0  # met once: not kept, not costed
+    for text in texts:  # kept from the second sighting; the third evicts the first
+        chunked._layout(text)
+        kept = chunked._layout(text)
+        assert kept is not None and kept.cost == _cost(text, len(kept.cuts))
+    assert len(chunked._memo) == 2
+    assert chunked._bytes == sum(layout.cost for layout in chunked._memo.values()) <= bound

@@ -56,6 +56,7 @@ class _Layout:
     cuts: list[_Cut]
     slices: dict[tuple[int, int], str] = field(default_factory=dict)
     ids: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # token IDs of those, once known
+    cost: int = 0  # bytes charged to the memo while kept (``_cost``), fixed when kept
 
 
 Origin = tuple[_Layout, tuple[int, int]]
@@ -135,23 +136,25 @@ class ChunkSplitter:
             return None
         a, b = bounds
         layout = _Layout(chunk, a, b, self.splitter.cuts(chunk, a, b))
-        cost = _cost(chunk, len(layout.cuts))
         with self._lock:  # kept from its second sighting on: a prompt seen once would only evict
             seen = key in self._seen
             self._seen[key] = None
             self._seen.move_to_end(key)
             if len(self._seen) > _SEEN_KEYS:
                 self._seen.popitem(last=False)
-        if seen and cost <= self._memo_bytes:
+        if not seen or not self._memo_bytes:
+            return layout  # not costed: measuring a non-ASCII chunk's UTF-8 is a pass over it (~0.5 ms at 128k tokens)
+        layout.cost = _cost(chunk, len(layout.cuts))
+        if layout.cost <= self._memo_bytes:
             with self._lock:
                 old = self._memo.pop(key, None)
                 if old is not None:
-                    self._bytes -= _cost(old.text, len(old.cuts))
+                    self._bytes -= old.cost
                 self._memo[key] = layout
-                self._bytes += cost
+                self._bytes += layout.cost
                 while self._bytes > self._memo_bytes:
                     _, dropped = self._memo.popitem(last=False)
-                    self._bytes -= _cost(dropped.text, len(dropped.cuts))
+                    self._bytes -= dropped.cost
         return layout
 
     def _next(self, text: str, start: int) -> int:
