@@ -1,0 +1,143 @@
+"""Slow and many connections against the ports a stranger can reach: the KV transfer agent's and
+kvgate's ext_authz port, real servers over loopback.
+
+Before: the transfer agent (aiohttp, default settings) waited for a request's head with no
+deadline but aiohttp's idle keep-alive (3630 s) and took any number of connections, so a client
+trickling header bytes held each connection an hour and enough of them used up the engine
+process's file descriptors (the agent runs inside the engine): a fleet peer's pull was never
+answered. ext_authz timed a request from its first request-line byte, so CRLFs trickled before a
+request line (which HTTP parsers skip) kept a connection open for ever, and it too took any
+number of connections. Now: a head must arrive within ``HEAD_TIMEOUT_S`` (408, then closed);
+connections that have not yet proven to be a peer's (a signed request) or Envoy's (its caller
+token) are at most ``MAX_UNAUTHENTICATED``, the oldest closed first, so a flood of them never
+keeps the legitimate client out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from tests.conftest import free_port
+from tests.support.procs import Proc, wait_for_port
+from tests.support.transfer import secret_file, signed
+from tests.test_transfer_mooncake import in_process_owner
+from workers.transfer import agent as agent_module
+from workers.transfer.agent import transfer_counters
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+async def _trickle_head(host: str, port: int, every_s: float, total_s: float) -> tuple[bytes, float]:
+    """Send a request head a byte at a time; what came back and after how long (b"": closed)."""
+    reader, writer = await asyncio.open_connection(host, port)
+    head = b"POST /kv/lease HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nx-slow: " + b"a" * 10_000
+    t0 = time.monotonic()
+    try:
+        for byte in head:
+            if time.monotonic() - t0 > total_s:
+                return b"still open", time.monotonic() - t0
+            try:
+                writer.write(bytes([byte]))
+                await writer.drain()
+                answer = await asyncio.wait_for(reader.read(4096), every_s)
+                return answer, time.monotonic() - t0
+            except TimeoutError:
+                continue
+            except (ConnectionError, OSError):
+                return b"", time.monotonic() - t0
+        return b"still open", time.monotonic() - t0
+    finally:
+        writer.close()
+
+
+async def test_a_trickled_head_gets_408_and_the_connection_closed(monkeypatch) -> None:
+    """Before: after 4 s of trickling (head deadline 1 s here) the connection was still open."""
+    monkeypatch.setattr(agent_module, "HEAD_TIMEOUT_S", 1.0, raising=False)
+    owner, holder, chain = await in_process_owner()
+    host, port = owner.endpoint.rsplit(":", 1)
+    try:
+        answer, after = await _trickle_head(host, int(port), 0.1, 4.0)
+        assert answer.startswith(b"HTTP/1.1 408"), f"after {after:.1f} s: {answer[:80]!r}"
+        assert after < 3.0
+        counters = {name: value for name, _, value in transfer_counters(owner.stats)}
+        assert counters["kvgate_transfer_head_timeouts"] == 1
+        # a signed peer is still served on a fresh connection
+        async with aiohttp.ClientSession() as s:
+            async with signed(s, "POST", owner.endpoint, "/kv/lease", {"hashes": chain, "start": 0}) as r:
+                assert r.status == 200
+    finally:
+        await owner.close()
+
+
+def _agent(tmp_path, port: int, nofile: int) -> Proc:
+    """A standalone agent in its own process, with ``nofile`` file descriptors (an engine's is
+    bounded the same way, by its container's limit)."""
+    cmd = ["prlimit", f"--nofile={nofile}", sys.executable, "-m", "workers.transfer", "serve", "--port", str(port),
+           "--blocks", "16", "--payload-bytes", "1024", "--secret-file", secret_file(tmp_path)]  # fmt: skip
+    return Proc("transfer-agent", cmd, tmp_path)
+
+
+def test_a_flood_of_slow_connections_never_keeps_a_peer_out(tmp_path) -> None:
+    """1,000 connections each holding a begun head, against an agent allowed 512 descriptors.
+    Before: the agent accepted until it ran out of descriptors and then could accept nothing: a
+    peer's signed lease request was never answered (timeout), and the slow connections stayed
+    open. Now: at most ``MAX_UNAUTHENTICATED`` (256) of them are held, the oldest closed first,
+    and the peer is answered at once."""
+    port = free_port()
+    agent = _agent(tmp_path, port, 512)
+    held: list[socket.socket] = []
+    try:
+        wait_for_port(port, proc=agent.popen)
+        for _ in range(1000):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            held.append(s)
+        time.sleep(0.5)
+        for s in held:
+            try:
+                s.send(b"POST /kv/lease HTTP/1.1\r\nhost: x\r\n")
+            except OSError:
+                pass
+        time.sleep(1.0)
+        from workers.transfer.standalone import synthetic_chain
+
+        async def lease() -> tuple[int, float]:
+            t0 = time.monotonic()
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+                async with signed(s, "POST", f"127.0.0.1:{port}", "/kv/lease", {"hashes": synthetic_chain(16, 0), "start": 0}) as r:
+                    return r.status, time.monotonic() - t0
+
+        try:
+            status, took = asyncio.run(lease())
+        except (TimeoutError, aiohttp.ClientError) as e:
+            status, took = 0, float("inf")
+            print(f"peer's lease failed: {e!r}")
+        open_in_agent = _open_sockets(agent.popen.pid)
+        print(f"peer's lease: {status} in {took:.3f} s; sockets held by the agent: {open_in_agent}")
+        assert status == 200 and took < 2.0, f"a peer's lease got {status} after {took:.1f} s"
+        assert open_in_agent <= 256 + 16, f"the agent holds {open_in_agent} sockets"
+        assert agent.alive()
+    finally:
+        for s in held:
+            s.close()
+        agent.stop()
+
+
+def _open_sockets(pid: int) -> int:
+    import os
+
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                n += 1
+        except OSError:
+            pass
+    return n
