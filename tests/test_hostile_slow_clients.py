@@ -16,6 +16,7 @@ keeps the legitimate client out.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import sys
 import time
@@ -141,3 +142,58 @@ def _open_sockets(pid: int) -> int:
         except OSError:
             pass
     return n
+
+
+def test_a_flood_of_silent_connections_to_ext_authz_never_keeps_envoy_out(tmp_path, envoy_bin, redis_url, key_prefix) -> None:
+    """Real Envoy (ext_authz, with the caller token) in front of three nodes, and ``kvgate serve``
+    allowed 400 more file descriptors than it uses. An attacker reaching the ext_authz port opens
+    1,500 connections and keeps each alive with a CRLF. Before: kvgate held all it could accept,
+    ran out of descriptors, and the checks of 16 concurrent requests through Envoy (which needs
+    new connections for them) failed open: not one routed. Now: at most ``MAX_UNTRUSTED`` (256)
+    token-less connections are held, the oldest closed first, and all 16 are routed."""
+    import json
+    import subprocess
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support.http import request
+    from tests.support.stack import MODEL, Stack
+
+    token = "envoy-caller-token-" + uuid.uuid4().hex
+    (tmp_path / "caller-token").write_text(token)
+    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix, "ext_authz", envoy_options={"caller_token": token},
+              kvgate_options={"caller_token_file": str(tmp_path / "caller-token")})  # fmt: skip
+    held: list[socket.socket] = []
+    try:
+        pid = s.kvgate.popen.pid
+        in_use = len(os.listdir(f"/proc/{pid}/fd"))
+        subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={in_use + 400}"], check=True)
+        for _ in range(1500):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", s.ext_authz_port))
+            held.append(c)
+        time.sleep(0.5)
+        for c in held:
+            try:
+                c.send(b"\r\n")
+            except OSError:
+                pass
+        time.sleep(0.5)
+
+        def one(i: int) -> bool:
+            body = json.dumps({"model": MODEL, "prompt": f"Tell me about harbour {i}. " * 20, "max_tokens": 4}).encode()
+            status, _, raw = request(s.url("/v1/completions"), method="POST", body=body, headers={"content-type": "application/json"})
+            return status == 200 and "x-gateway-destination-endpoint" in json.loads(raw)["headers"]
+
+        with ThreadPoolExecutor(16) as pool:
+            routed = sum(pool.map(one, range(16)))
+        kvgate_sockets = _open_sockets(pid)
+        print(f"routed {routed} of 16 through Envoy; sockets held by kvgate: {kvgate_sockets}")
+        assert routed == 16, f"{routed} of 16 requests routed while the port was flooded"
+        assert kvgate_sockets < in_use + 256 + 64
+        assert s.kvgate.alive()
+    finally:
+        for c in held:
+            c.close()
+        s.stop()
