@@ -46,7 +46,7 @@ from gateway.conn_gate import UntrustedConnections
 from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import CALLER_TOKEN_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
-from gateway.metrics import REGISTRY
+from gateway.metrics import CLOSED_CONNECTIONS, REGISTRY
 from gateway.sessions import RETENTION_HEADER, SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_authz")
@@ -127,12 +127,12 @@ class ExtAuthzService:
         self._sweeper: asyncio.Task | None = None
         # Envoy's connections carry its token on their first check; the others are capped, the
         # oldest closed first, so a flood of them cannot use up the descriptors Envoy needs
-        self._untrusted: UntrustedConnections[_Connection] = UntrustedConnections(MAX_UNTRUSTED, _Connection.close)
+        self._untrusted: UntrustedConnections[_Connection] = UntrustedConnections(MAX_UNTRUSTED, _evict)
 
     async def start(self, host: str, port: int, *, max_body_bytes: int) -> None:
         """Listen on exactly ``host:port``; returns once the socket is bound."""
         loop = asyncio.get_running_loop()
-        self._untrusted = UntrustedConnections(MAX_UNTRUSTED, _Connection.close)
+        self._untrusted = UntrustedConnections(MAX_UNTRUSTED, _evict)
         self._server = await loop.create_server(lambda: _Connection(self, max_body_bytes), host, port)
         self._sweeper = loop.create_task(self._sweep())
 
@@ -179,6 +179,11 @@ class ExtAuthzService:
                 await asyncio.wait(workers, timeout=CLOSE_GRACE_S)
             await self._server.wait_closed()
             self._server = None
+
+
+def _evict(conn: _Connection) -> None:
+    CLOSED_CONNECTIONS.labels("ext_authz", "evicted").inc()
+    conn.close()
 
 
 @dataclass(slots=True)
@@ -286,6 +291,7 @@ class _Connection(asyncio.Protocol):
         if self._done:
             return
         if self._began is not None and now - self._began > RECEIVE_TIMEOUT_S:
+            CLOSED_CONNECTIONS.labels("ext_authz", "receive_timeout").inc()
             self._last(_closing_error(408, f"request not received within {RECEIVE_TIMEOUT_S:g} s"))
         elif self._began is None and not self._busy and not self._queue and now - self._active > IDLE_TIMEOUT_S:
             self.close()

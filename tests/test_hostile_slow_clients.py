@@ -144,54 +144,87 @@ def _open_sockets(pid: int) -> int:
     return n
 
 
-def test_a_flood_of_silent_connections_to_ext_authz_never_keeps_envoy_out(tmp_path, envoy_bin, redis_url, key_prefix) -> None:
-    """Real Envoy (ext_authz, with the caller token) in front of three nodes, and ``kvgate serve``
-    allowed 400 more file descriptors than it uses. An attacker reaching the ext_authz port opens
-    1,500 connections and keeps each alive with a CRLF. Before: kvgate held all it could accept,
-    ran out of descriptors, and the checks of 16 concurrent requests through Envoy (which needs
-    new connections for them) failed open: not one routed. Now: at most ``MAX_UNTRUSTED`` (256)
-    token-less connections are held, the oldest closed first, and all 16 are routed."""
+def _flood(port: int, n: int, first: bytes) -> list[socket.socket]:
+    """``n`` connections to ``port`` opened in three waves (a listen backlog drops some of one
+    burst), each then sent ``first`` (a CRLF: what HTTP parsers skip before a request line; the
+    start of HTTP/2's preface: what a gRPC server waits to see whole)."""
+    held = []
+    for _ in range(3):
+        for _ in range(n // 3):
+            c = socket.socket()
+            c.setblocking(False)
+            c.connect_ex(("127.0.0.1", port))
+            held.append(c)
+        time.sleep(0.3)
+    for c in held:
+        try:
+            c.send(first)
+        except OSError:
+            pass
+    time.sleep(0.5)
+    return held
+
+
+def _routed_through_envoy(stack, n: int) -> int:
+    """How many of ``n`` concurrent requests through Envoy reach a node with kvgate's choice."""
     import json
-    import subprocess
-    import uuid
     from concurrent.futures import ThreadPoolExecutor
 
     from tests.support.http import request
-    from tests.support.stack import MODEL, Stack
+    from tests.support.stack import MODEL
+
+    def one(i: int) -> bool:
+        body = json.dumps({"model": MODEL, "prompt": f"Tell me about harbour {i}. " * 20, "max_tokens": 4}).encode()
+        status, _, raw = request(stack.url("/v1/completions"), method="POST", body=body, headers={"content-type": "application/json"})
+        return status == 200 and "x-gateway-destination-endpoint" in json.loads(raw)["headers"]
+
+    with ThreadPoolExecutor(n) as pool:
+        return sum(pool.map(one, range(n)))
+
+
+@pytest.mark.parametrize("integration,flooded", [("ext_authz", "ext_authz"), ("ext_authz", "admin"), ("ext_proc", "ext_proc")])
+def test_a_flood_of_silent_connections_to_a_kvgate_port_never_keeps_envoy_out(
+    tmp_path, envoy_bin, redis_url, key_prefix, integration, flooded
+) -> None:
+    """Real Envoy (with the caller token) in front of three nodes, and ``kvgate serve`` allowed
+    700 more file descriptors than it uses. An attacker reaching one of kvgate's ports opens 3,000
+    connections and keeps each alive with a CRLF (a begun HTTP/2 preface on the gRPC port).
+    Before: kvgate held all it could accept (~716 sockets) and ran out of descriptors: of 16
+    concurrent requests through Envoy (new connections to kvgate for their checks), 0 were routed
+    with the ext_authz or admin port flooded, 10 with the ext_proc port flooded (Envoy's gRPC
+    connection was already open), and /readyz was reset (a kubelet would restart kvgate). Now: at
+    most 256 connections that have not proven to be Envoy's are held on ext_authz and the admin
+    port (the oldest closed first), at most 512 on ext_proc (handshake within 10 s, newer ones
+    refused); all 16 are routed and /readyz answers 200."""
+    import subprocess
+    import uuid
+
+    from tests.support.http import get_json
+    from tests.support.stack import Stack
 
     token = "envoy-caller-token-" + uuid.uuid4().hex
     (tmp_path / "caller-token").write_text(token)
-    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix, "ext_authz", envoy_options={"caller_token": token},
+    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix, integration, envoy_options={"caller_token": token},
               kvgate_options={"caller_token_file": str(tmp_path / "caller-token")})  # fmt: skip
     held: list[socket.socket] = []
     try:
         pid = s.kvgate.popen.pid
         in_use = len(os.listdir(f"/proc/{pid}/fd"))
-        subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={in_use + 400}"], check=True)
-        for _ in range(1500):
-            c = socket.socket()
-            c.setblocking(False)
-            c.connect_ex(("127.0.0.1", s.ext_authz_port))
-            held.append(c)
-        time.sleep(0.5)
-        for c in held:
-            try:
-                c.send(b"\r\n")
-            except OSError:
-                pass
-        time.sleep(0.5)
-
-        def one(i: int) -> bool:
-            body = json.dumps({"model": MODEL, "prompt": f"Tell me about harbour {i}. " * 20, "max_tokens": 4}).encode()
-            status, _, raw = request(s.url("/v1/completions"), method="POST", body=body, headers={"content-type": "application/json"})
-            return status == 200 and "x-gateway-destination-endpoint" in json.loads(raw)["headers"]
-
-        with ThreadPoolExecutor(16) as pool:
-            routed = sum(pool.map(one, range(16)))
+        if flooded == "ext_proc":  # Envoy holds its gRPC connection from its first request on
+            assert _routed_through_envoy(s, 1) == 1
+        subprocess.run(["prlimit", "--pid", str(pid), f"--nofile={in_use + 700}"], check=True)
+        port = {"ext_authz": s.ext_authz_port, "admin": s.admin_port, "ext_proc": s.ext_proc_port}[flooded]
+        held = _flood(port, 3000, b"PRI * HTTP/2.0\r\n" if flooded == "ext_proc" else b"\r\n")
+        routed = _routed_through_envoy(s, 16)
         kvgate_sockets = _open_sockets(pid)
-        print(f"routed {routed} of 16 through Envoy; sockets held by kvgate: {kvgate_sockets}")
+        try:
+            ready = get_json(f"http://127.0.0.1:{s.admin_port}/readyz")[0]
+        except OSError as e:
+            ready = repr(e)
+        print(f"flooded {flooded}: routed {routed} of 16 through Envoy; sockets held by kvgate: {kvgate_sockets}; /readyz: {ready}")
         assert routed == 16, f"{routed} of 16 requests routed while the port was flooded"
-        assert kvgate_sockets < in_use + 256 + 64
+        assert ready == 200
+        assert kvgate_sockets < in_use + (512 if flooded == "ext_proc" else 256) + 64
         assert s.kvgate.alive()
     finally:
         for c in held:

@@ -45,8 +45,8 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.conn_gate import ConnectionGuard
 from workers.transfer.auth import SIGNATURE, AuthError, PeerAuth, ReplayCache, ReplayCacheFull
-from workers.transfer.guard import ConnectionGuard
 from workers.transfer.backend import ReadOp, TransferBackend, TransferError, coalesce
 from workers.transfer.payload import BlockCorrupt, verify_slot
 from workers.transfer.slots import SlotTable
@@ -179,8 +179,7 @@ class TransferAgent:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
-        self._guard = ConnectionGuard(HEAD_TIMEOUT_S, MAX_UNAUTHENTICATED, self.stats)
-        self._listener: asyncio.Server | None = None
+        self._guard = ConnectionGuard(HEAD_TIMEOUT_S, MAX_UNAUTHENTICATED, self._guard_closed)
         backend.register(slots.base_address, slots.nbytes)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -194,11 +193,7 @@ class TransferAgent:
         app.router.add_get("/kv/health", self._handle_health)
         self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self._runner.setup()
-        server = self._runner.server
-        assert server is not None
-        loop = asyncio.get_running_loop()
-        self._listener = await loop.create_server(self._guard.protocol_factory(server), host, port, reuse_address=True)
-        self._guard.start()
+        await self._guard.listen(self._runner, host, port)
         self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._reaper = asyncio.create_task(self._reap(), name="kv-lease-reaper")
 
@@ -207,9 +202,7 @@ class TransferAgent:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
-        await self._guard.stop()
-        if self._listener is not None:
-            self._listener.close()
+        await self._guard.close()
         if self._runner is not None:
             await self._runner.cleanup()
         for lease in list(self._leases):
@@ -220,6 +213,12 @@ class TransferAgent:
             await self._session.close()
         self._executor.shutdown(wait=True)
         self.backend.close()
+
+    def _guard_closed(self, reason: str) -> None:
+        if reason == "head_timeout":
+            self.stats.head_timeouts += 1
+        else:
+            self.stats.evicted_connections += 1
 
     # -- owner side ------------------------------------------------------------------------------
 
