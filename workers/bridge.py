@@ -133,7 +133,7 @@ REJECTED_EVENTS = Counter(
 )
 DROPPED_BLOCKS = Counter(
     "kvgate_bridge_dropped_blocks_total",
-    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, no_tokens)",
+    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, lora_name, no_tokens)",
     ["node", "reason"],
 )
 GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
@@ -171,6 +171,9 @@ WRITER = Gauge(
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
+MAX_LORA_NAME_CHARS = 1024
+"""Blocks under a longer adapter name are dropped: no request can name it (the gateway refuses
+longer model names), and the key seeds cached per name would keep every such name."""
 DEFAULT_MAX_BLOCKS_PER_NODE = 1_000_000
 """Blocks tracked per node when the engine's capacity is unknown (~200 MiB at ~210 B a block)."""
 CAPACITY_RETRY_S = 30.0
@@ -474,6 +477,8 @@ class NodeBlockMap:
             return ("token_count", n)
         if ev.lora_id is not None and not ev.lora_name:
             return ("lora_unnamed", n)  # an adapter we cannot name: keying it as the base would lie
+        if ev.lora_name is not None and len(ev.lora_name) > MAX_LORA_NAME_CHARS:
+            return ("lora_name", n)
         salt, keyable = read_extra_keys(ev.extra_keys, n, root=ev.parent_block_hash is None, lora_name=ev.lora_name)
         if keyable == 0:
             return ("extra_keys", n)
