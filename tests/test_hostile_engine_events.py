@@ -28,7 +28,7 @@ async def _eq(value, expected: int) -> bool:
 
 
 async def test_huge_adapter_names_from_an_engine_are_not_kept(redis_url: str, key_prefix: str, node_id: str) -> None:
-    directory = open_directory(redis_url, key_prefix=key_prefix, heartbeat_ttl_s=5.0)
+    directory = open_directory(redis_url, key_prefix=key_prefix, heartbeat_ttl_s=5.0, index_stride=1)
     eng = Engine(node_id, buffer_batches=1)  # the engine's own replay buffer must not hold them either
     good = tokens(7000, 2)
     try:
@@ -52,4 +52,61 @@ async def test_huge_adapter_names_from_an_engine_are_not_kept(redis_url: str, ke
             assert stats.dropped_blocks == 48 and stats.tracked_blocks == 2
     finally:
         eng.pub.close()
+        await directory.aclose()
+
+
+async def test_the_collector_takes_a_nodes_events_only_from_the_nodes_host(redis_url: str, key_prefix: str, node_id: str) -> None:
+    """With ``events_collector`` kvgate binds a SUB socket that engines' PUB sockets connect to,
+    and a message's topic names its node. Before: anyone reaching the port could publish under a
+    node's topic: a stranger at 127.0.0.2 claimed node ``a`` (at 127.0.0.1) held a prompt it
+    never saw (recorded in Redis), then the engine's next batch, whose sequence number the
+    stranger had taken, looked like a restart and cleared the node. Now: a message from a host
+    other than the node's is dropped and counted (``kvgate_bridge_foreign_messages_total``),
+    and the node's entries are exactly what its engine published."""
+    import asyncio
+
+    import zmq
+    from prometheus_client import REGISTRY
+
+    from directory_client.types import NodeInfo
+    from tests.conftest import free_port
+    from tests.test_bridge import BS, MODEL
+    from workers.bridge import COLLECTOR, EngineSpec, KVEventBridge
+    from workers.kv_events import KVEventPublisher, encode_batch, encode_seq
+
+    directory = open_directory(redis_url, key_prefix=key_prefix, heartbeat_ttl_s=5.0, index_stride=1)
+    collector = f"tcp://127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{free_port()}"
+    topic = f"kv@{address}@{MODEL}"
+    engine = KVEventPublisher(collector, connect=True, topic=topic, replay_endpoint=f"tcp://127.0.0.1:{free_port()}")
+    stranger = zmq.Context.instance().socket(zmq.PUB)
+    stranger.connect(f"tcp://127.0.0.2:0;{collector.removeprefix('tcp://')}")  # another host of the network
+    history, forged, later = tokens(0, 2), tokens(5000, 2), tokens(9000, 1)
+    await directory.register_node(NodeInfo(node_id, address, model=MODEL))
+    bridge = KVEventBridge(directory, [EngineSpec(node_id, address, COLLECTOR, replay=engine.replay_endpoint)],
+                           model=MODEL, block_size=BS, heartbeat_interval_s=0.2, collector=collector)  # fmt: skip
+    foreign_before = REGISTRY.get_sample_value("kvgate_bridge_foreign_messages_total", {"node": node_id}) or 0.0
+    await bridge.start()
+    try:
+        while bridge.stats(node_id).next_seq is None:
+            engine.publish([])
+            await asyncio.sleep(0.05)
+        engine.publish([stored([1, 2], history)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(history)), 2), what="the engine's blocks")
+        for _ in range(20):  # the stranger's PUB joins at some point: it sends the next sequence number
+            stranger.send_multipart([topic.encode(), encode_seq(engine.next_seq), encode_batch([stored([70, 71], forged)])])
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)  # flushed to Redis by now
+        claimed, kept = await held(directory, node_id, keys_of(forged)), await held(directory, node_id, keys_of(history))
+        print(f"\nafter the stranger's messages: forged blocks held {claimed}, the engine's {kept} of 2")
+        assert claimed == 0 and kept == 2, f"a stranger's messages: forged blocks held {claimed}, the engine's {kept} of 2"
+        engine.publish([stored([3], later, parent=2)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(history + later)), 3), what="the engine's next batch")
+        assert await held(directory, node_id, keys_of(forged)) == 0, "a stranger's claim was recorded"
+        foreign = (REGISTRY.get_sample_value("kvgate_bridge_foreign_messages_total", {"node": node_id}) or 0.0) - foreign_before
+        assert foreign >= 1
+    finally:
+        await bridge.aclose(deregister=False)
+        engine.close()
+        stranger.close(0)
         await directory.aclose()

@@ -108,6 +108,7 @@ from zmq.utils.monitor import parse_monitor_message
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode, WriterLease
 from directory_client.validate import check_node_id
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from workers.collector_peers import NodeHosts, sender_ip
 from workers.engine_capacity import fetch_capacity_blocks
 from workers.kv_events import (
     END_SEQ,
@@ -159,6 +160,11 @@ REPLAY_FAILURES = Counter(
 )
 UNKNOWN_TOPICS = Counter(
     "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
+)
+FOREIGN = Counter(
+    "kvgate_bridge_foreign_messages_total",
+    "collector messages under a node's topic sent from another host than the node's: dropped",
+    ["node"],
 )
 PARTIALLY_KNOWN = Gauge(
     "kvgate_bridge_node_partially_known",
@@ -786,6 +792,8 @@ class KVEventBridge:
         for topic in ambiguous:
             del self._routes[topic]
         self._unknown_topics: set[bytes] = set()
+        self._hosts = NodeHosts()
+        self._foreign_seen: set[tuple[str, str]] = set()  # (node, sender) pairs logged, at most 64
         self._collector_task: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._closed = False
@@ -985,8 +993,11 @@ class KVEventBridge:
         """Engines whose PUB connects to us: one bound SUB, messages routed by topic."""
         try:
             while True:
-                frames = await sock.recv_multipart()
+                received = await sock.recv_multipart(copy=False)
+                frames = [f.bytes for f in received]
                 st = self._routes.get(frames[0]) if len(frames) == 3 else None
+                if st is not None and not await self._from_its_host(st, received[0]):
+                    continue
                 if st is None:
                     UNKNOWN_TOPICS.inc()
                     if len(self._unknown_topics) < 64 and frames[0] not in self._unknown_topics:
@@ -1010,6 +1021,18 @@ class KVEventBridge:
                 await asyncio.sleep(0)  # queued messages are read without yielding: yield here
         finally:
             sock.close(linger=0)
+
+    async def _from_its_host(self, st: _Stream, frame: zmq.Frame) -> bool:
+        """Whether a collector message under ``st``'s topic came from the node's host (else counted)."""
+        ip = sender_ip(frame)
+        if ip is None or await self._hosts.allows(st.spec.address, ip):
+            return True
+        FOREIGN.labels(st.spec.node_id).inc()
+        if len(self._foreign_seen) < 64 and (st.spec.node_id, ip) not in self._foreign_seen:
+            self._foreign_seen.add((st.spec.node_id, ip))
+            log.warning("collector: dropping messages under node %s's topic from %s, not the node's host %s",
+                        st.spec.node_id, ip, st.spec.address)  # fmt: skip
+        return False
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
         if not st.connected:
