@@ -85,7 +85,8 @@ What it guarantees (and what it does not):
   block 0's ``extra_keys`` seed the chain (``tokenizer.keys``: one rule on both sides), so a
   tenant's salted blocks are found only by prompts with the same salt. Blocks whose content is
   not their token IDs (multimodal, prompt embeddings) or whose adapter has no name (deprecated
-  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``).
+  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``), as are
+  blocks under an adapter name longer than any request may name (``lora_name``).
 """
 
 from __future__ import annotations
