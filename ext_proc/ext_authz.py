@@ -69,6 +69,7 @@ RECEIVE_TIMEOUT_S = 10.0  # a request that has begun must have arrived whole by 
 IDLE_TIMEOUT_S = 300.0  # a connection with nothing received, queued or being answered is closed
 SWEEP_S = 1.0  # how often connections are checked against the two timeouts
 MAX_UNTRUSTED = 256  # connections held that have not yet carried a whole request with Envoy's token
+MAX_CONNECTIONS = 4096  # connections held in all; past it the one idle the longest is closed
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _JSON = b"content-type: application/json\r\n"
@@ -135,6 +136,16 @@ class ExtAuthzService:
         self._untrusted = UntrustedConnections(MAX_UNTRUSTED, _evict)
         self._server = await loop.create_server(lambda: _Connection(self, max_body_bytes), host, port)
         self._sweeper = loop.create_task(self._sweep())
+
+    def _make_room(self, newcomer: _Connection) -> None:
+        """Past ``MAX_CONNECTIONS``, close the connection idle the longest (the newcomer if none
+        is idle). Without a caller token any client's request makes its connection look like
+        Envoy's; Envoy's pooled connections are in use, an attacker's wait."""
+        if len(self._connections) <= MAX_CONNECTIONS:
+            return
+        idle = [c for c in self._connections if c is not newcomer and c.idle()]
+        victim = min(idle, key=lambda c: c.last_active) if idle else newcomer
+        _evict(victim)
 
     async def _sweep(self) -> None:
         """Time out slow and idle connections: one timer for all of them, not one per request."""
@@ -242,6 +253,7 @@ class _Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.service._connections.add(self)
         self.service._untrusted.admit(self)
+        self.service._make_room(self)
         self.worker = asyncio.get_running_loop().create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -285,6 +297,18 @@ class _Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+    @property
+    def last_active(self) -> float:
+        return self._active
+
+    def idle(self) -> bool:
+        """Nothing being received, queued or answered, and still open."""
+        transport = self._transport
+        return (
+            self._began is None and not self._busy and not self._queue
+            and transport is not None and not transport.is_closing()
+        )  # fmt: skip
 
     def check_timeouts(self, now: float) -> None:
         """408 for a request that is taking too long to arrive; close a connection idle too long."""

@@ -365,3 +365,32 @@ async def test_connections_that_never_sent_a_request_are_capped_oldest_first(ser
             w.close()
         w0.close()
         await svc.aclose()
+
+
+async def test_without_a_caller_token_connections_are_capped_the_longest_idle_closed_first(service, monkeypatch) -> None:
+    """Without ``caller_token_file`` any client's whole request makes its connection look like
+    Envoy's, so the cap on untrusted connections alone does not bound them: before, 20 clients
+    each sending one request then idling were all held (for ``IDLE_TIMEOUT_S``, 300 s). Now at
+    most ``MAX_CONNECTIONS`` are held: past it the one idle the longest is closed, so a client in
+    use (Envoy's pooled connections) keeps its connection."""
+    monkeypatch.setattr(ext_authz, "MAX_CONNECTIONS", 8, raising=False)
+    svc = ext_authz.ExtAuthzService(service.core)  # no caller token
+    port = free_port()
+    await svc.start("127.0.0.1", port, max_body_bytes=MAX_BODY)
+    idle = []
+    try:
+        for _ in range(20):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post(chat()))
+            assert (await read_response(r)).status == 200
+            idle.append((r, w))
+        await asyncio.sleep(0.2)
+        assert len(svc._connections) <= 8, f"{len(svc._connections)} idle connections held"
+        r, w = idle[-1]  # the newest is still served
+        w.write(post(chat()))
+        resp = await read_response(r)
+        assert resp is not None and resp.status == 200 and resp.headers[DESTINATION_HEADER] == NODES["b"]
+    finally:
+        for _, w in idle:
+            w.close()
+        await svc.aclose()
