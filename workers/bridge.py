@@ -477,7 +477,7 @@ class NodeBlockMap:
     def _stored(self, ev: BlockStored, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
         n = len(ev.block_hashes)
         if not ev.token_ids and n:
-            return self._stored_without_tokens(ev)
+            return (yield from self._stored_without_tokens(ev, step_blocks))
         if ev.block_size != self._block_size:
             return ("block_size", n)
         if len(ev.token_ids) != n * self._block_size:
@@ -533,13 +533,15 @@ class NodeBlockMap:
                     touched[key] = _mask(counts)
                 holders[key] = counts + delta
 
-    def _stored_without_tokens(self, ev: BlockStored) -> tuple[str, int] | None:
+    def _stored_without_tokens(self, ev: BlockStored, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
         """A copy (CPU offload) announced by engine hash alone: the blocks we keyed when they were
         stored elsewhere gain the tier; the others cannot be keyed and are dropped."""
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
         unknown = 0
-        for engine_hash in ev.block_hashes:
+        for i, engine_hash in enumerate(ev.block_hashes):
+            if step_blocks and i and not i % step_blocks:
+                yield
             slot = _slot(engine_hash, ev.group_idx)
             held = self._by_hash.get(slot)
             if held is None:
