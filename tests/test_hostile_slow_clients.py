@@ -230,3 +230,56 @@ def test_a_flood_of_silent_connections_to_a_kvgate_port_never_keeps_envoy_out(
         for c in held:
             c.close()
         s.stop()
+
+
+def test_streams_opened_without_envoys_token_and_left_mute_are_not_held(tmp_path, envoy_bin, redis_url, key_prefix) -> None:
+    """``kvgate serve`` behind real Envoy (ext_proc, with the caller token). A stranger reaching
+    the ext_proc port opens streams as fast as one Python client can (~15,000 in 6 s) and never
+    sends a message on them. Before: each was held ``FIRST_MESSAGE_TIMEOUT_S`` (5 s, ~15 KB):
+    kvgate grew by ~290 MiB, and only 1 of 4 requests through Envoy meanwhile was routed. Now
+    a stream without Envoy's token gets ``TOKENLESS_FIRST_MESSAGE_S`` (0.1 s) for its first
+    message (Envoy sends its first with the stream): kvgate grows by ~50 MiB (~27 MiB is the
+    churn of the streams themselves, measured with 1 ms), and all 4 are routed."""
+    import uuid
+
+    import grpc
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+    from tests.support.procs import rss_bytes
+    from tests.support.stack import Stack
+
+    token = "envoy-caller-token-" + uuid.uuid4().hex
+    (tmp_path / "caller-token").write_text(token)
+    s = Stack(tmp_path, envoy_bin, redis_url, key_prefix, "ext_proc", envoy_options={"caller_token": token},
+              kvgate_options={"caller_token_file": str(tmp_path / "caller-token")})  # fmt: skip
+    try:
+        pid = s.kvgate.popen.pid
+        assert _routed_through_envoy(s, 4) == 4
+        before = rss_bytes(pid)
+
+        async def flood() -> tuple[int, int]:
+            peak = opened = 0
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{s.ext_proc_port}") as channel:
+                calls = []
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < 6:
+                    for _ in range(200):
+                        calls.append(channel.stream_stream(
+                            "/envoy.service.ext_proc.v3.ExternalProcessor/Process",
+                            request_serializer=lambda b: b, response_deserializer=pb.ProcessingResponse.FromString,
+                        )())  # fmt: skip
+                        opened += 1
+                    await asyncio.sleep(0)
+                    peak = max(peak, rss_bytes(pid))
+                routed = await asyncio.to_thread(_routed_through_envoy, s, 4)
+                for call in calls:
+                    call.cancel()
+            return opened, peak, routed
+
+        opened, peak, routed = asyncio.run(flood())
+        grown = (peak - before) >> 20
+        print(f"\n{opened} mute streams in 6 s: kvgate {before >> 20} -> peak {peak >> 20} MiB; routed during it: {routed} of 4")
+        assert grown < 100, f"kvgate grew by {grown} MiB holding a stranger's mute streams"
+        assert routed == 4
+    finally:
+        s.stop()
