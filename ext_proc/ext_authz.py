@@ -42,10 +42,11 @@ from urllib.parse import unquote
 import httptools
 from prometheus_client import Counter
 
+from gateway.conn_gate import UntrustedConnections
 from gateway.core import RouteResult, RoutingCore, error_body
 from gateway.envoy_config import CALLER_TOKEN_HEADER, INFERENCE_PATHS
 from gateway.logs import REQUEST_ID
-from gateway.metrics import REGISTRY
+from gateway.metrics import CLOSED_CONNECTIONS, REGISTRY
 from gateway.sessions import RETENTION_HEADER, SESSION_HEADER
 
 log = logging.getLogger("kvgate.ext_authz")
@@ -67,6 +68,8 @@ MAX_HEAD_BYTES = 64 << 10  # request line + headers, counted while they arrive (
 RECEIVE_TIMEOUT_S = 10.0  # a request that has begun must have arrived whole by then (slow clients)
 IDLE_TIMEOUT_S = 300.0  # a connection with nothing received, queued or being answered is closed
 SWEEP_S = 1.0  # how often connections are checked against the two timeouts
+MAX_UNTRUSTED = 256  # connections held that have not yet carried a whole request with Envoy's token
+MAX_CONNECTIONS = 4096  # connections held in all; past it the one idle the longest is closed
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 _JSON = b"content-type: application/json\r\n"
@@ -123,12 +126,26 @@ class ExtAuthzService:
         self._server: asyncio.Server | None = None
         self._connections: set[_Connection] = set()
         self._sweeper: asyncio.Task | None = None
+        # Envoy's connections carry its token on their first check; the others are capped, the
+        # oldest closed first, so a flood of them cannot use up the descriptors Envoy needs
+        self._untrusted: UntrustedConnections[_Connection] = UntrustedConnections(MAX_UNTRUSTED, _evict)
 
     async def start(self, host: str, port: int, *, max_body_bytes: int) -> None:
         """Listen on exactly ``host:port``; returns once the socket is bound."""
         loop = asyncio.get_running_loop()
+        self._untrusted = UntrustedConnections(MAX_UNTRUSTED, _evict)
         self._server = await loop.create_server(lambda: _Connection(self, max_body_bytes), host, port)
         self._sweeper = loop.create_task(self._sweep())
+
+    def _make_room(self, newcomer: _Connection) -> None:
+        """Past ``MAX_CONNECTIONS``, close the connection idle the longest (the newcomer if none
+        is idle). Without a caller token any client's request makes its connection look like
+        Envoy's; Envoy's pooled connections are in use, an attacker's wait."""
+        if len(self._connections) <= MAX_CONNECTIONS:
+            return
+        idle = [c for c in self._connections if c is not newcomer and c.idle()]
+        victim = min(idle, key=lambda c: c.last_active) if idle else newcomer
+        _evict(victim)
 
     async def _sweep(self) -> None:
         """Time out slow and idle connections: one timer for all of them, not one per request."""
@@ -173,6 +190,11 @@ class ExtAuthzService:
                 await asyncio.wait(workers, timeout=CLOSE_GRACE_S)
             await self._server.wait_closed()
             self._server = None
+
+
+def _evict(conn: _Connection) -> None:
+    CLOSED_CONNECTIONS.labels("ext_authz", "evicted").inc()
+    conn.close()
 
 
 @dataclass(slots=True)
@@ -230,10 +252,13 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         self.service._connections.add(self)
+        self.service._untrusted.admit(self)
+        self.service._make_room(self)
         self.worker = asyncio.get_running_loop().create_task(self._serve())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.service._connections.discard(self)
+        self.service._untrusted.forget(self)
         if self._linger is not None:
             self._linger.cancel()
         self._wake()  # an idle worker sees the transport closed and ends
@@ -245,6 +270,8 @@ class _Connection(asyncio.Protocol):
         in_head = self._began is None or self._head_bytes >= 0
         if in_head:
             self._head_bytes += len(data)
+        if self._began is None:  # the deadline runs from the first byte, even CRLFs before a request line
+            self._began = self._active
         try:
             self._parser.feed_data(data)
             # still in a request's head (a message begun, or bytes before its first line)
@@ -271,11 +298,24 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None:
             self._transport.close()
 
+    @property
+    def last_active(self) -> float:
+        return self._active
+
+    def idle(self) -> bool:
+        """Nothing being received, queued or answered, and still open."""
+        transport = self._transport
+        return (
+            self._began is None and not self._busy and not self._queue
+            and transport is not None and not transport.is_closing()
+        )  # fmt: skip
+
     def check_timeouts(self, now: float) -> None:
         """408 for a request that is taking too long to arrive; close a connection idle too long."""
         if self._done:
             return
         if self._began is not None and now - self._began > RECEIVE_TIMEOUT_S:
+            CLOSED_CONNECTIONS.labels("ext_authz", "receive_timeout").inc()
             self._last(_closing_error(408, f"request not received within {RECEIVE_TIMEOUT_S:g} s"))
         elif self._began is None and not self._busy and not self._queue and now - self._active > IDLE_TIMEOUT_S:
             self.close()
@@ -283,7 +323,8 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._began = self._loop.time()
+        if self._began is None:
+            self._began = self._loop.time()
         self._url = self._request_id = self._traceparent = self._caller_token = self._session = self._retention = b""
         self._expect_continue = False
         self._chunks = []
@@ -326,6 +367,9 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         if self._done:
             return
+        expected = self.service.caller_token
+        if not expected or hmac.compare_digest(self._caller_token, expected):
+            self.service._untrusted.trust(self)
         parser = self._parser
         keep_alive = parser.should_keep_alive()
         if not keep_alive:

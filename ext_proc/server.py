@@ -57,6 +57,9 @@ UNAUTHENTICATED = Counter(
 )
 MESSAGE_SLACK = 1 << 20  # a message may exceed the body limit by this (headers, framing)
 FIRST_MESSAGE_TIMEOUT_S = 5.0  # Envoy sends the request headers as it opens a stream; a stream silent this long is ended
+TOKENLESS_FIRST_MESSAGE_S = 0.1  # the same for a stream without Envoy's token: Envoy sends its first message with the stream
+HANDSHAKE_TIMEOUT_S = 10.0  # a new connection must have finished its HTTP/2 handshake by then
+MAX_CONNECTIONS = 512  # connections held at once (Envoy keeps a few long-lived ones); newer ones are refused
 
 
 @cache
@@ -203,8 +206,10 @@ class ExtProcService:
             self.health.record(node.node_id, status.isdigit() and int(status) < 500)
 
     async def _exchange(self, context: grpc.aio.ServicerContext, *, observe_usage: bool = False) -> RouteResult | None:
+        # a stranger opening streams and sending nothing must not hold each for seconds
+        wait = TOKENLESS_FIRST_MESSAGE_S if self.caller_token and not self._from_envoy(context) else FIRST_MESSAGE_TIMEOUT_S
         try:
-            async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_S):
+            async with asyncio.timeout(wait):
                 msg = await context.read()
         except TimeoutError:
             raise _Silent from None
@@ -293,6 +298,11 @@ def build_server(
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
             ("grpc.so_reuseport", 0),
+            # a connection must finish its HTTP/2 handshake within this, and past so many the
+            # newest are refused: a flood of half-open connections cannot use up the descriptors
+            # the process needs (Redis, the admin port); Envoy's established connections go on
+            ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
+            ("grpc.max_allowed_incoming_connections", MAX_CONNECTIONS),
         ]
     )
     server.add_generic_rpc_handlers([handler])

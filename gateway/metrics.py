@@ -352,3 +352,11 @@ def exposition(registries: Iterable[CollectorRegistry]) -> bytes:
     from prometheus_client import generate_latest
 
     return b"".join(generate_latest(r) for r in registries)
+
+CLOSED_CONNECTIONS = Counter(
+    "kvgate_closed_connections",
+    "Connections kvgate closed on a port before their client proved to be Envoy's or an operator's: "
+    "no request head in time (head_timeout, answered 408), or too many such were open (evicted, the oldest)",
+    ["port", "reason"],
+    registry=REGISTRY,
+)

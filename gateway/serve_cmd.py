@@ -32,6 +32,7 @@ from gateway.admin import build_admin_app
 from gateway.admin_debug import DebugApi
 from gateway.admin_drain import drain_api
 from gateway.background_tokenize import BackgroundTokenizer
+from gateway.conn_gate import ConnectionGuard
 from gateway.config import ConfigError, KvgateConfig, load_config
 from gateway.core import RoutingCore, RoutingLimits
 from gateway.decision_log import DecisionLog
@@ -40,6 +41,7 @@ from gateway.engine_scrape import EngineCacheScraper
 from gateway.fleet import StaticFleetKeeper
 from gateway.fleet_status import FleetMonitor
 from gateway.logs import setup_logging
+from gateway.metrics import CLOSED_CONNECTIONS
 from gateway.policy import make_policy
 from gateway.profile import load_profile
 from gateway.node_doctor import NodeVerdicts, PeriodicDoctor
@@ -51,6 +53,9 @@ if TYPE_CHECKING:
     from gateway.discovery.runner import KubernetesDiscovery
     from gateway.tracing import Tracing
 
+
+ADMIN_HEAD_TIMEOUT_S = 10.0  # a request head must arrive within this of opening or of the last answer (408)
+ADMIN_MAX_CONNECTIONS = 256  # the oldest is closed past it
 log = logging.getLogger("kvgate.serve")
 
 
@@ -252,6 +257,10 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_
         directory, tokenizer=tokenizer, monitor=monitor, debug=debug, drain=drain,
         client_max_size=cfg.limits.max_body_bytes + (1 << 20),
     )
+    # probes and scrapes send a whole head at once: none needs more, and a flood of connections
+    # must not use up the descriptors Envoy's connections and Redis need
+    admin_guard = ConnectionGuard(ADMIN_HEAD_TIMEOUT_S, ADMIN_MAX_CONNECTIONS, lambda why: CLOSED_CONNECTIONS.labels("admin", why).inc())
+    admin.middlewares.append(admin_guard.middleware)
     admin_runner = web.AppRunner(admin, access_log=None)
     try:
         if tracing is not None:
@@ -271,7 +280,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_
         if doctor is not None:
             await doctor.start()
         await admin_runner.setup()
-        await web.TCPSite(admin_runner, cfg.listen_host, cfg.admin_port).start()
+        await admin_guard.listen(admin_runner, cfg.listen_host, cfg.admin_port)
         if freeze_heap:
             log.info("start-up heap frozen: %d objects out of the garbage collector's reach", settle_heap())
         log.info(
@@ -286,6 +295,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_
             await grpc_server.stop(grace=5)
         if authz is not None:
             await authz.aclose()  # stop accepting checks, then give back the load still held
+        await admin_guard.close()
         await admin_runner.cleanup()
         if scraper is not None:
             await scraper.aclose()

@@ -612,7 +612,9 @@ async def test_engines_whose_pub_connects_to_the_collector_are_followed_by_topic
     a_addr, b_addr = f"127.0.0.1:{free_port()}", "127.0.0.2:8000"
     pubs = {
         "a": KVEventPublisher(collector, connect=True, topic=f"kv@{a_addr}@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
-        "b": KVEventPublisher(collector, connect=True, topic=f"kv@127.0.0.2@{MODEL}", replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
+        # b's engine lives at 127.0.0.2: its PUB connects from there (the collector checks)
+        "b": KVEventPublisher(f"tcp://127.0.0.2:0;{collector.removeprefix('tcp://')}", connect=True, topic=f"kv@127.0.0.2@{MODEL}",
+                              replay_endpoint=f"tcp://127.0.0.1:{free_port()}"),
         "x": KVEventPublisher(collector, connect=True, topic=f"kv@10.9.9.9:1@{MODEL}"),
     }  # fmt: skip
     ids = {"a": node_id + "-a", "b": node_id + "-b"}

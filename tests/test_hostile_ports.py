@@ -309,3 +309,88 @@ async def test_ext_proc_streams_that_route_nothing_are_ended_not_held(core, monk
     finally:
         await server.stop(None)
     assert REGISTRY.get_sample_value("kvgate_ext_proc_streams_total", {"end": "silent"}) == silent + 1
+
+
+async def test_crlfs_trickled_before_a_request_line_get_408(conn, monkeypatch) -> None:
+    """HTTP parsers skip CRLFs before a request line, so the request never "began": before, two
+    bytes every few seconds kept a connection open for ever (only an idle one was closed). Now the
+    receive deadline runs from the first byte of whatever arrives."""
+    monkeypatch.setattr(ext_authz, "RECEIVE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(ext_authz, "SWEEP_S", 0.05)
+    reader, writer = conn
+    await asyncio.sleep(0.1)  # the sweeper picks the new timings up on its next round
+    read = asyncio.ensure_future(reader.read(4096))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    try:
+        while not read.done() and loop.time() - t0 < 3.0:
+            writer.write(b"\r\n")
+            await asyncio.sleep(0.1)
+        assert read.done(), "after 3 s of trickled CRLFs the connection is still open and unanswered"
+        assert read.result().startswith(b"HTTP/1.1 408 "), read.result()[:100]
+    finally:
+        read.cancel()
+
+
+async def test_connections_that_never_sent_a_request_are_capped_oldest_first(service, monkeypatch) -> None:
+    """Before: every connection opened was held (until ``IDLE_TIMEOUT_S``, 300 s), as many as
+    the process had file descriptors for. Now at most ``MAX_UNTRUSTED`` connections that have not
+    yet carried a request (with Envoy's token, when one is set) are held, the oldest closed first;
+    a connection that has is never closed by the cap."""
+    monkeypatch.setattr(ext_authz, "MAX_UNTRUSTED", 8, raising=False)
+    svc = ext_authz.ExtAuthzService(service.core)
+    port = free_port()
+    await svc.start("127.0.0.1", port, max_body_bytes=MAX_BODY)
+    opened = []
+    try:
+        r0, w0 = await asyncio.open_connection("127.0.0.1", port)
+        w0.write(post(chat()))
+        assert (await read_response(r0)).status == 200
+        for _ in range(20):
+            opened.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0.01)
+        closed = 0
+        for reader, _ in opened[:12]:
+            try:
+                closed += await asyncio.wait_for(reader.read(1), 2) == b""
+            except (TimeoutError, ConnectionError):
+                pass
+        assert closed == 12, f"{closed} of the 12 oldest silent connections were closed"
+        assert len(svc._connections) <= 8 + 1, f"{len(svc._connections)} connections held"
+        w0.write(post(chat()))  # the connection that carried a request is still served
+        resp = await read_response(r0)
+        assert resp is not None and resp.status == 200 and resp.headers[DESTINATION_HEADER] == NODES["b"]
+    finally:
+        for _, w in opened:
+            w.close()
+        w0.close()
+        await svc.aclose()
+
+
+async def test_without_a_caller_token_connections_are_capped_the_longest_idle_closed_first(service, monkeypatch) -> None:
+    """Without ``caller_token_file`` any client's whole request makes its connection look like
+    Envoy's, so the cap on untrusted connections alone does not bound them: before, 20 clients
+    each sending one request then idling were all held (for ``IDLE_TIMEOUT_S``, 300 s). Now at
+    most ``MAX_CONNECTIONS`` are held: past it the one idle the longest is closed, so a client in
+    use (Envoy's pooled connections) keeps its connection."""
+    monkeypatch.setattr(ext_authz, "MAX_CONNECTIONS", 8, raising=False)
+    svc = ext_authz.ExtAuthzService(service.core)  # no caller token
+    port = free_port()
+    await svc.start("127.0.0.1", port, max_body_bytes=MAX_BODY)
+    idle = []
+    try:
+        for _ in range(20):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(post(chat()))
+            assert (await read_response(r)).status == 200
+            idle.append((r, w))
+        await asyncio.sleep(0.2)
+        assert len(svc._connections) <= 8, f"{len(svc._connections)} idle connections held"
+        r, w = idle[-1]  # the newest is still served
+        w.write(post(chat()))
+        resp = await read_response(r)
+        assert resp is not None and resp.status == 200 and resp.headers[DESTINATION_HEADER] == NODES["b"]
+    finally:
+        for _, w in idle:
+            w.close()
+        await svc.aclose()

@@ -85,7 +85,8 @@ What it guarantees (and what it does not):
   block 0's ``extra_keys`` seed the chain (``tokenizer.keys``: one rule on both sides), so a
   tenant's salted blocks are found only by prompts with the same salt. Blocks whose content is
   not their token IDs (multimodal, prompt embeddings) or whose adapter has no name (deprecated
-  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``).
+  ``lora_id`` only) are dropped and counted (``reason``: ``extra_keys``, ``lora_unnamed``), as are
+  blocks under an adapter name longer than any request may name (``lora_name``).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ from zmq.utils.monitor import parse_monitor_message
 from directory_client.types import Directory, DirectoryUnavailable, NodeInfo, NodeRole, Tier, UnknownNode, WriterLease
 from directory_client.validate import check_node_id
 from tokenizer.keys import BlockKey, block_keys, namespace_seed
+from workers.collector_peers import NodeHosts, sender_ip
 from workers.engine_capacity import fetch_capacity_blocks
 from workers.kv_events import (
     END_SEQ,
@@ -133,7 +135,7 @@ REJECTED_EVENTS = Counter(
 )
 DROPPED_BLOCKS = Counter(
     "kvgate_bridge_dropped_blocks_total",
-    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, no_tokens)",
+    "stored blocks not recorded (reason: unknown_parent, block_size, token_count, extra_keys, lora_unnamed, lora_name, no_tokens)",
     ["node", "reason"],
 )
 GAPS = Counter("kvgate_bridge_gaps_total", "sequence gaps (outcome: repaired, unrecoverable)", ["node", "outcome"])
@@ -160,6 +162,11 @@ REPLAY_FAILURES = Counter(
 UNKNOWN_TOPICS = Counter(
     "kvgate_bridge_unknown_topic_messages_total", "collector messages whose topic names no configured node", []
 )
+FOREIGN = Counter(
+    "kvgate_bridge_foreign_messages_total",
+    "collector messages under a node's topic sent from another host than the node's: dropped",
+    ["node"],
+)
 PARTIALLY_KNOWN = Gauge(
     "kvgate_bridge_node_partially_known",
     "1 while the node's entries include some written before the engine's replay window (not proven by this "
@@ -171,6 +178,9 @@ WRITER = Gauge(
 )
 
 _TIERS = (Tier.GPU, Tier.CPU, Tier.STORAGE)  # indexed by Tier value
+MAX_LORA_NAME_CHARS = 1024
+"""Blocks under a longer adapter name are dropped: no request can name it (the gateway refuses
+longer model names), and the key seeds cached per name would keep every such name."""
 DEFAULT_MAX_BLOCKS_PER_NODE = 1_000_000
 """Blocks tracked per node when the engine's capacity is unknown (~200 MiB at ~210 B a block)."""
 CAPACITY_RETRY_S = 30.0
@@ -467,13 +477,15 @@ class NodeBlockMap:
     def _stored(self, ev: BlockStored, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
         n = len(ev.block_hashes)
         if not ev.token_ids and n:
-            return self._stored_without_tokens(ev)
+            return (yield from self._stored_without_tokens(ev, step_blocks))
         if ev.block_size != self._block_size:
             return ("block_size", n)
         if len(ev.token_ids) != n * self._block_size:
             return ("token_count", n)
         if ev.lora_id is not None and not ev.lora_name:
             return ("lora_unnamed", n)  # an adapter we cannot name: keying it as the base would lie
+        if ev.lora_name is not None and len(ev.lora_name) > MAX_LORA_NAME_CHARS:
+            return ("lora_name", n)
         salt, keyable = read_extra_keys(ev.extra_keys, n, root=ev.parent_block_hash is None, lora_name=ev.lora_name)
         if keyable == 0:
             return ("extra_keys", n)
@@ -521,13 +533,15 @@ class NodeBlockMap:
                     touched[key] = _mask(counts)
                 holders[key] = counts + delta
 
-    def _stored_without_tokens(self, ev: BlockStored) -> tuple[str, int] | None:
+    def _stored_without_tokens(self, ev: BlockStored, step_blocks: int) -> Generator[None, None, tuple[str, int] | None]:
         """A copy (CPU offload) announced by engine hash alone: the blocks we keyed when they were
         stored elsewhere gain the tier; the others cannot be keyed and are dropped."""
         tier = Tier.from_medium(ev.medium)
         bit = 1 << tier
         unknown = 0
-        for engine_hash in ev.block_hashes:
+        for i, engine_hash in enumerate(ev.block_hashes):
+            if step_blocks and i and not i % step_blocks:
+                yield
             slot = _slot(engine_hash, ev.group_idx)
             held = self._by_hash.get(slot)
             if held is None:
@@ -781,6 +795,8 @@ class KVEventBridge:
         for topic in ambiguous:
             del self._routes[topic]
         self._unknown_topics: set[bytes] = set()
+        self._hosts = NodeHosts()
+        self._foreign_seen: set[tuple[str, str]] = set()  # (node, sender) pairs logged, at most 64
         self._collector_task: asyncio.Task[None] | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._closed = False
@@ -980,8 +996,11 @@ class KVEventBridge:
         """Engines whose PUB connects to us: one bound SUB, messages routed by topic."""
         try:
             while True:
-                frames = await sock.recv_multipart()
+                received = await sock.recv_multipart(copy=False)
+                frames = [f.bytes for f in received]
                 st = self._routes.get(frames[0]) if len(frames) == 3 else None
+                if st is not None and not await self._from_its_host(st, received[0]):
+                    continue
                 if st is None:
                     UNKNOWN_TOPICS.inc()
                     if len(self._unknown_topics) < 64 and frames[0] not in self._unknown_topics:
@@ -1005,6 +1024,18 @@ class KVEventBridge:
                 await asyncio.sleep(0)  # queued messages are read without yielding: yield here
         finally:
             sock.close(linger=0)
+
+    async def _from_its_host(self, st: _Stream, frame: zmq.Frame) -> bool:
+        """Whether a collector message under ``st``'s topic came from the node's host (else counted)."""
+        ip = sender_ip(frame)
+        if ip is None or await self._hosts.allows(st.spec.address, ip):
+            return True
+        FOREIGN.labels(st.spec.node_id).inc()
+        if len(self._foreign_seen) < 64 and (st.spec.node_id, ip) not in self._foreign_seen:
+            self._foreign_seen.add((st.spec.node_id, ip))
+            log.warning("collector: dropping messages under node %s's topic from %s, not the node's host %s",
+                        st.spec.node_id, ip, st.spec.address)  # fmt: skip
+        return False
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:
         if not st.connected:

@@ -17,6 +17,7 @@ import signal
 from directory_client import open_directory
 from directory_client.types import DirectoryUnavailable
 from workers.bridge import EngineSpec, KVEventBridge, parse_engine_spec
+from workers.bridge_metrics import MetricsServer
 
 log = logging.getLogger("kvgate.bridge")
 
@@ -155,8 +156,16 @@ async def bridge_main(args: argparse.Namespace, *, stop: asyncio.Event | None = 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.metrics_port:
-        from prometheus_client import start_http_server
+    return asyncio.run(_with_metrics(args))
 
-        start_http_server(args.metrics_port, addr=args.metrics_host)
-    return asyncio.run(bridge_main(args))
+
+async def _with_metrics(args: argparse.Namespace) -> int:
+    """``bridge_main``, with /metrics served on the same loop when ``--metrics-port`` is set."""
+    if not args.metrics_port:
+        return await bridge_main(args)
+    metrics = MetricsServer()
+    await metrics.start(args.metrics_host, args.metrics_port)
+    try:
+        return await bridge_main(args)
+    finally:
+        await metrics.aclose()

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import aiohttp
 from aiohttp import web
 
+from gateway.conn_gate import ConnectionGuard
 from workers.transfer.auth import SIGNATURE, AuthError, PeerAuth, ReplayCache, ReplayCacheFull
 from workers.transfer.backend import ReadOp, TransferBackend, TransferError, coalesce
 from workers.transfer.payload import BlockCorrupt, verify_slot
@@ -57,6 +58,9 @@ DEFAULT_MAX_LEASES = 1024
 DEFAULT_MAX_LEASES_PER_PEER = 64
 MAX_LEASE_BLOCKS = 1 << 16
 BODY_TIMEOUT_S = 10.0  # a signed request's body must have arrived by then (408)
+HEAD_TIMEOUT_S = 10.0  # a request head must have arrived by then on an unauthenticated connection (408)
+MAX_UNAUTHENTICATED = 256  # connections held before a signed request came on them; the oldest closed past it
+KEEPALIVE_S = 75.0  # a peer's idle connection (aiohttp's client closes its own after 15 s)
 
 
 class BlockHolder(Protocol):
@@ -97,6 +101,8 @@ class AgentStats:
     replayed: int = 0  # of which: a signed request seen before (also in ``unauthenticated``)
     over_quota: int = 0  # lease requests refused 429 (the peer holds its quota)
     refused_reads: int = 0  # /kv/read refused 403: not the reader's lease, or outside it
+    head_timeouts: int = 0  # unauthenticated connections answered 408: no request head in time
+    evicted_connections: int = 0  # unauthenticated connections closed: too many were open
     failures: dict[str, int] = field(default_factory=dict)
 
 
@@ -119,6 +125,8 @@ def transfer_counters(s: AgentStats) -> list[tuple[str, str, int]]:
         ("kvgate_transfer_replayed_requests", "Control requests refused 401 because their signature was already used.", s.replayed),
         ("kvgate_transfer_over_quota_leases", "Lease requests refused 429: the peer held its quota of leases.", s.over_quota),
         ("kvgate_transfer_refused_reads", "Block reads refused 403: not under a lease the reader holds.", s.refused_reads),
+        ("kvgate_transfer_head_timeouts", "Unauthenticated connections answered 408: no request head within the deadline.", s.head_timeouts),
+        ("kvgate_transfer_evicted_connections", "Unauthenticated connections closed, the oldest first, because too many were open.", s.evicted_connections),
     ]
 
 
@@ -171,20 +179,21 @@ class TransferAgent:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
+        self._guard = ConnectionGuard(HEAD_TIMEOUT_S, MAX_UNAUTHENTICATED, self._guard_closed)
         backend.register(slots.base_address, slots.nbytes)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self, host: str, port: int) -> None:
-        app = web.Application(client_max_size=16 << 20)
+        app = web.Application(client_max_size=16 << 20, middlewares=[self._guard.middleware])
         app.router.add_post("/kv/lease", self._handle_lease)
         app.router.add_delete("/kv/lease/{lease}", self._handle_release)
         app.router.add_post("/kv/read", self._handle_read)
         app.router.add_post("/kv/connect", self._handle_connect)
         app.router.add_get("/kv/health", self._handle_health)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port).start()
+        await self._guard.listen(self._runner, host, port)
         self.endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._reaper = asyncio.create_task(self._reap(), name="kv-lease-reaper")
 
@@ -193,6 +202,7 @@ class TransferAgent:
         if self._reaper is not None:
             self._reaper.cancel()
             await asyncio.gather(self._reaper, return_exceptions=True)
+        await self._guard.close()
         if self._runner is not None:
             await self._runner.cleanup()
         for lease in list(self._leases):
@@ -203,6 +213,12 @@ class TransferAgent:
             await self._session.close()
         self._executor.shutdown(wait=True)
         self.backend.close()
+
+    def _guard_closed(self, reason: str) -> None:
+        if reason == "head_timeout":
+            self.stats.head_timeouts += 1
+        else:
+            self.stats.evicted_connections += 1
 
     # -- owner side ------------------------------------------------------------------------------
 
@@ -285,6 +301,7 @@ class TransferAgent:
             if not self._replays.admit(request.headers[SIGNATURE]):
                 self.stats.replayed += 1
                 raise AuthError(f"replayed request (this signature of {peer} was already used)")
+            self._guard.trust(request)
             try:
                 async with asyncio.timeout(BODY_TIMEOUT_S):
                     body = await request.read()
