@@ -83,7 +83,7 @@ def _split_lateness(monkeypatch: pytest.MonkeyPatch, *, ledger: bool) -> float:
     """Simulated mixed load on 2P+6D over RDMA: the worst (actual - estimated) first token of a split."""
     if not ledger:
         monkeypatch.setattr(PendingArrivals, "add", lambda self, *a, **k: None)
-    wl = mixed_workload(sessions=160, seed=0)
+    wl = mixed_workload(sessions=160, seed=1)
     sim = Simulator(wl, SimConfig(policy="kvgate", nodes=8, profile=PROFILE, roles=(2, 6), pull_link="rdma",
                                   policy_options={"warmup_s": 0.0}), None)
     estimate: dict[tuple[str, int], float] = {}
@@ -98,7 +98,8 @@ def test_a_split_is_not_kept_waiting_by_a_long_prompt_routed_to_its_decode_node_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # without the ledger, a document routed whole to the decode node while a split's KV crossed the
-    # link took the step budgets when it landed: that split's first token came 0.5 s late (160 sessions, seed 0)
+    # link took the step budgets when it landed: that split's first token came 0.6 s late (160 sessions,
+    # seed 1; seeds 2-5: 0.4-1.2 s; seed 0 lost its instance once answers served whole were priced)
     with monkeypatch.context() as m:
         assert _split_lateness(m, ledger=False) > 0.3
     assert _split_lateness(monkeypatch, ledger=True) < 0.05

@@ -50,6 +50,7 @@ from gateway.policy.base import (
     load_rank,
     no_nodes,
 )
+from gateway.policy.answering import AnsweringContexts
 from gateway.policy.arrivals import PendingArrivals
 from gateway.policy.churn import DEFAULT_CHURN_WINDOW_S, Churn
 from gateway.policy.cost_model import DEFAULT_SATURATION_PENALTY_S, TtftEstimator
@@ -130,6 +131,7 @@ class KvgatePolicy:
         self.churn = Churn(churn_window_s)  # memory turnover per node: an eviction on a busy node costs more
         self.first_token_tail = FirstTokenTail()  # a lower bound of the recent p99 of first tokens: a split stays under it
         self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
+        self.answering = AnsweringContexts()  # what answers served whole read per step (disaggregated fleets)
         self.work_value = float(work_value)  # prefill spent beyond the least, priced by how busy the fleet is
 
     def decide(
@@ -237,12 +239,16 @@ class KvgatePolicy:
         profile: HardwareProfile, ranked: dict[int, float], now: float,
     ) -> tuple[dict[int, float], dict[int, float]]:
         """(``ranked`` charged, index -> seconds) the decodes running on each candidate add to its
-        prefill (``gateway.policy.whole.interference_s``; the KV they read known for splits only)."""
+        prefill (``gateway.policy.whole.interference_s``; the KV they read: the splits answering there
+        and the answers this replica served whole there, ``gateway.policy.answering``)."""
         added: dict[int, float] = {}
+        self.answering.expire(now)
         for i, (nv, c) in enumerate(zip(nodes, costs, strict=True)):
             if nv.load.inflight <= 0:
                 continue
-            context = self.pending_arrivals.landed_tokens(nv.node.node_id, now, request.block_size)
+            node_id = nv.node.node_id
+            context = self.pending_arrivals.landed_tokens(node_id, now, request.block_size)
+            context += self.answering.context_tokens(node_id, now)
             new_tokens = max(request.prompt_tokens - est.cached_tokens(c.cached_blocks), 1)  # at least one, always
             seconds = interference_s(profile, nv.load.inflight, context, new_tokens)
             if seconds > 0:

@@ -9,9 +9,10 @@ there and reads their KV: per chunk, ``running × (1/prefill rate + per-sequence
 KV read. A decode node runs the answers of what the prefill nodes computed as well as its own,
 so this is no rounding error there: a 22.6k-token document beside 25 decodes took 22 ms longer
 than estimated (simulate, mixed, 4P+4D, seed 5). ``interference_s`` prices it from what the
-gateway knows, the node's in-flight count and the prompts of the splits answering there (the
-ledger, ``gateway.policy.arrivals``); the policy charges it in the ranking (not in the estimate a
-reservation holds).
+gateway knows, the node's in-flight count and the contexts answering there: the prompts of the
+splits (the ledger, ``gateway.policy.arrivals``) and the contexts of the answers this replica
+served whole there (``gateway.policy.answering``); the policy charges it in the ranking (not in
+the estimate a reservation holds).
 
 **The tail is served where its first token comes soonest.** The policy's ranking also charges
 what a choice does to others: memory it evicts, and the splits answering on a node (their steps
