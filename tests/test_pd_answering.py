@@ -10,25 +10,14 @@ from gateway.decision_round import decide_round
 from gateway.policy import make_policy
 from gateway.policy.answering import AnsweringContexts
 from gateway.profile import load_profile
-from gateway.types import RoutingRequest
+from tests.test_pd_arrivals import request, warmed
 
 PROFILE = load_profile("llama-3.1-8b-h100")
-BS = PROFILE.block_size
 
 
 def node(i: int, role: str, *, inflight: int = 0) -> NodeView:
     info = NodeInfo(f"{role[0]}{i}", f"10.0.0.{i}:8000", f"10.0.0.{i}:9100", role=role)
     return NodeView(info, 0, Tier.GPU, NodeLoad(inflight, 0))
-
-
-def request(prompt: int) -> RoutingRequest:
-    return RoutingRequest(model="m", prompt_tokens=prompt, total_blocks=prompt // BS, block_size=BS, affinity=7)
-
-
-def warmed(policy, tail_s: float = 10.0):  # type: ignore[no-untyped-def]
-    for _ in range(128):
-        policy.first_token_tail.observe(tail_s)
-    return policy
 
 
 def test_an_answer_reads_its_prompt_and_what_it_has_decoded_until_its_estimated_end() -> None:
