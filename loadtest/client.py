@@ -21,6 +21,8 @@ from workers.pd_sidecar import PREFILLED_BY_HEADER  # a split answer: prefilled 
 
 NODE_HEADER = "x-kvgate-node"
 CACHED_HEADER = "x-kvgate-cached-tokens"
+ENGINE_TTFT_HEADER = "x-kvgate-engine-ttft-ms"  # simulated engines: arrival there → first token
+INFLIGHT_HEADER = "x-kvgate-engine-inflight"  # simulated engines: requests held at arrival
 
 
 def _delta_text(chunk: dict) -> str:
@@ -31,6 +33,17 @@ def _delta_text(chunk: dict) -> str:
     if "delta" in c:
         return (c.get("delta") or {}).get("content") or ""
     return c.get("text") or ""
+
+
+def _engine_fields(rec: RequestRecord, headers) -> None:  # type: ignore[no-untyped-def]
+    """The engine's own TTFT and load at arrival, when it says (a peer router may drop them)."""
+    try:
+        if (v := headers.get(ENGINE_TTFT_HEADER)) is not None:
+            rec.engine_ttft_s = float(v) / 1000.0
+        if (v := headers.get(INFLIGHT_HEADER)) is not None:
+            rec.engine_inflight = int(v)
+    except ValueError:
+        pass  # a malformed debug header costs the split, not the request
 
 
 async def send(
@@ -47,6 +60,7 @@ async def send(
                 rec.node = resp.headers.get(NODE_HEADER, "")
                 rec.split = PREFILLED_BY_HEADER in resp.headers
                 header_cached = resp.headers.get(CACHED_HEADER)
+                _engine_fields(rec, resp.headers)
                 if resp.status != 200:
                     text = await resp.text()
                     rec.error = f"HTTP {resp.status}: {text[:200]}"

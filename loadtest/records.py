@@ -24,6 +24,8 @@ class RequestRecord:
     output_tokens: int = 0
     reply: str = ""
     seen_tokens: int = 0  # prefix an earlier request of the run had already sent (filled after the run)
+    engine_ttft_s: float | None = None  # the engine's part of the TTFT (simulated engines' debug header)
+    engine_inflight: int | None = None  # requests the engine held when this one arrived (same)
     split: bool = False  # prefilled on a prefill node, decoded here (disaggregated; its prompt's KV counts as pulled)
 
     @property

@@ -115,6 +115,7 @@ def summarize(
         "per_node_busy_s": dict(sorted(busy.items())),
         # how busy the fleet was: mean busy seconds per node over the run's wall time (None unknown)
         "busy_frac": sum(busy.values()) / len(busy) / wall if basis == "busy_seconds" else None,
+        **_path_split(ok),
         "decision_p50_ms": (decision_ms or {}).get("p50"),
         "decision_p99_ms": (decision_ms or {}).get("p99"),
         "request_table": request_table(ok),
@@ -122,6 +123,16 @@ def summarize(
     if extra:
         out.update(extra)
     return out
+
+
+def _path_split(ok: Sequence[RequestRecord]) -> dict[str, float | None]:
+    """Per request, TTFT at the client minus the engine's own (where the engine said): p50/p99 of
+    what the path in front of the engines (client, proxies, routing decision) adds."""
+    path = [r.ttft_s - r.engine_ttft_s for r in ok if r.ttft_s is not None and r.engine_ttft_s is not None]
+    engine = [r.engine_ttft_s for r in ok if r.engine_ttft_s is not None]
+    p, e = _pcts_ms(path), _pcts_ms(engine)
+    return {"path_ttft_p50_ms": p["p50"], "path_ttft_p99_ms": p["p99"],
+            "engine_ttft_p50_ms": e["p50"], "engine_ttft_p99_ms": e["p99"]}
 
 
 def request_table(ok: Sequence[RequestRecord]) -> dict[str, Any]:

@@ -343,3 +343,25 @@ async def test_internal_headers_reach_nobody_unless_asked_for(start_engine) -> N
         async with aiohttp.ClientSession() as s, s.post(f"{base}/v1/completions", json=body) as r:
             assert r.status == 200
             assert {k.lower() for k in r.headers if k.lower().startswith("x-kvgate-")} == expect
+
+
+async def test_streamed_answer_says_the_engines_share_of_the_ttft(start_engine) -> None:  # type: ignore[no-untyped-def]
+    """Issue 14: a replay splits each request's TTFT into the engine's part (queue + prefill, the
+    ``x-kvgate-engine-ttft-ms`` header, which leaves with the first token) and the path in front.
+    The engine's part can never exceed what the client measured, and a second request sent while
+    the first runs finds one request already in the engine."""
+    from loadtest.client import send
+    from loadtest.workloads.base import RequestSpec
+
+    base, _ = await start_engine(time_scale=1.0)
+    spec = RequestSpec(session_id="s", turn=1, path="/v1/completions",
+                       body={"model": MODEL, "prompt": ids(60, 2000), "max_tokens": 40, "ignore_eos": True})
+    async with aiohttp.ClientSession() as s:
+        first = asyncio.create_task(send(s, base, spec, sent_at=0.0, timeout_s=30))
+        await asyncio.sleep(0.05)
+        second = await send(s, base, spec, sent_at=0.0, timeout_s=30)
+        rec = await first
+    for r in (rec, second):
+        assert r.ok and r.ttft_s is not None and r.engine_ttft_s is not None, r.error
+        assert 0.0 < r.engine_ttft_s <= r.ttft_s
+    assert rec.engine_inflight == 0 and second.engine_inflight == 1

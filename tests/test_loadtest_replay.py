@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 KEYS = {"hit_rate", "ttft_p50_ms", "ttft_p99_ms", "throughput_tok_s", "redundant_prefill_frac", "imbalance",
         "errors", "requests", "hit_rate_local", "hit_rate_pulled", "ttft_p90_ms", "ttft_by_turn",
         "requests_per_s", "decision_p50_ms", "decision_p99_ms", "ttft_mean_ms", "engine_ttft_mean_ms",
-        "path_ttft_mean_ms"}
+        "path_ttft_mean_ms", "path_ttft_p50_ms", "engine_ttft_p50_ms"}
 
 
 def test_replay_smoke_two_policies(tmp_path: Path) -> None:
@@ -36,6 +36,7 @@ def test_replay_smoke_two_policies(tmp_path: Path) -> None:
         assert KEYS <= set(s), KEYS - set(s)
         assert s["requests"] == 6 and s["errors"] == 0, (name, s["error_examples"])
         assert 0.0 <= s["hit_rate"] <= 1.0 and s["ttft_p50_ms"] > 0
+        assert 0.0 < s["engine_ttft_p50_ms"] <= s["ttft_p99_ms"] and s["path_ttft_p50_ms"] is not None
         assert sum(s["per_node_requests"].values()) == 6
         assert set(s["ttft_by_turn"]) == {"1", "2"}
         # the engines' own TTFT (their histograms) is part of the client's; the rest is the path

@@ -147,6 +147,11 @@ class EngineRuntime:
         return n
 
     @property
+    def inflight(self) -> int:
+        """Requests submitted and not yet finished (waiting or running)."""
+        return len(self._streams)
+
+    @property
     def busy(self) -> bool:
         return self.scheduler.has_work()
 

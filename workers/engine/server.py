@@ -57,6 +57,9 @@ NODE_HEADER = "x-kvgate-node"
 CACHED_HEADER = "x-kvgate-cached-tokens"
 PULL_HEADER = "x-kvgate-pull"
 PULLED_BLOCKS_HEADER = "x-kvgate-pulled-blocks"
+# streamed answers only (their headers leave with the first token): the engine's share of the TTFT
+ENGINE_TTFT_HEADER = "x-kvgate-engine-ttft-ms"  # arrival here → first token, queue and prefill
+INFLIGHT_HEADER = "x-kvgate-engine-inflight"  # requests this engine held when this one arrived
 
 
 @dataclass(frozen=True)
@@ -215,10 +218,12 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     )
     source, blocks = remote_prefill_source(body) or (request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
     pull = await engine.pulls.prepare(sim, source, blocks)
+    inflight = engine.runtime.inflight
     stream = engine.pulls.submit(sim, pull, arrival_wall)
     try:
         if opts.stream:
-            return await _stream(request, engine, stream, pull, chat=chat, include_usage=opts.include_usage)
+            return await _stream(request, engine, stream, pull, chat=chat, include_usage=opts.include_usage,
+                                 inflight=inflight)
         while not stream.finished:
             await stream.wait_change()
         text = engine.tokenizer.decode(_reply_ids(sim, sim.generated))
@@ -252,7 +257,8 @@ def _sse(data: Any) -> bytes:
 
 
 async def _stream(
-    request: web.Request, engine: Engine, stream: RequestStream, pull: PullOutcome, *, chat: bool, include_usage: bool
+    request: web.Request, engine: Engine, stream: RequestStream, pull: PullOutcome, *, chat: bool, include_usage: bool,
+    inflight: int = 0,
 ) -> web.StreamResponse:
     sim = stream.request
     model = engine.config.model
@@ -260,9 +266,11 @@ async def _stream(
     rid = sim.request_id
     while stream.generated == 0 and not stream.finished:
         await stream.wait_change()  # prefill: nothing is sent before the first token
-    resp = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(engine, sim, pull)}
-    )
+    headers = _headers(engine, sim, pull)
+    if headers:  # a benchmark splits the client's TTFT into this engine's part and the path in front
+        headers[ENGINE_TTFT_HEADER] = f"{(time.monotonic() - stream.arrival_wall) * 1000.0:.3f}"
+        headers[INFLIGHT_HEADER] = str(inflight)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
     if chat:
         await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage)))
