@@ -703,6 +703,7 @@ class _Stream:
     unproven_since: float | None = None  # monotonic time entries we cannot prove were merged into the node
     withdraw: bool = False  # the engine went away while we wrote it: retire the node
     rewrite_all: bool = False  # the directory may lack our writes: rewrite the node from `blocks`
+    replaying: bool = False  # a catch-up or gap repair is being applied: `blocks` is half done, not written
     directory_down: bool = False  # for logging the outage once, not per failed call
     dirty: asyncio.Event = field(default_factory=asyncio.Event)
     liveness_changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -727,6 +728,8 @@ class KVEventBridge:
     _WRITE_CHUNK = 4096  # keys per directory call when rewriting a node
     STEP_BLOCKS = 256
     """Blocks of live events applied between two yields to the event loop (~0.2 ms of work)."""
+    REPLAY_SLICE_S = 0.002
+    """Work done applying a replayed history (catch-up, gap repair) between two yields to the loop."""
 
     def __init__(
         self,
@@ -773,6 +776,7 @@ class KVEventBridge:
             raise ValueError("engine_timeout_s must be positive")
         self._engine_timeout_ms = max(int(engine_timeout_s * 1000), 10)
         self._max_batch_bytes = max_batch_bytes
+        self._replay_yield_at = 0.0  # perf_counter time after which a replayed history yields to the loop
         self._streams: dict[str, _Stream] = {}
         for spec in engines:
             cap = max_blocks_per_node or (spec.capacity * 8 if spec.capacity else DEFAULT_MAX_BLOCKS_PER_NODE)
@@ -1087,8 +1091,9 @@ class KVEventBridge:
                 self._degrade(st, "replay", "the replay socket did not answer a catch-up; retried on later events")
             return
         self._recover(st, "replay")
-        for seq, payload in batches:
-            self._apply(st, seq, payload)
+        with self._replaying(st):
+            for seq, payload in batches:
+                await self._apply_replayed(st, seq, payload)
         if batches:
             st.expected = batches[-1][0] + 1
             if batches[0][0] == 0:
@@ -1110,25 +1115,27 @@ class KVEventBridge:
         if batches and batches[0][0] == start:
             GAPS.labels(st.spec.node_id, "repaired").inc()
             st.gaps_repaired += 1
-            for seq, payload in batches:
-                if seq == st.expected:
-                    self._apply(st, seq, payload)
-                    st.expected = seq + 1
+            with self._replaying(st):
+                for seq, payload in batches:
+                    if seq == st.expected:
+                        await self._apply_replayed(st, seq, payload)
+                        st.expected = seq + 1
             if st.expected >= live_seq:
                 return
         # the missed batches are gone for good: clear the node, rebuild from what is left
         log.warning("node %s: gap from seq %d cannot be replayed; clearing the node", st.spec.node_id, start)
         GAPS.labels(st.spec.node_id, "unrecoverable").inc()
         st.gaps_unrecoverable += 1
-        self._reset(st, "gap")
         remaining = [(s, p) for s, p in batches or () if s >= start]
-        if remaining and remaining[-1][0] >= live_seq - 1:
-            # the buffer's tail reaches the live stream without a hole: rebuild from it
-            for seq, payload in remaining:
-                self._apply(st, seq, payload)
-            st.expected = remaining[-1][0] + 1
-        else:
-            st.expected = live_seq  # a hole before live_seq could hide removals: start clean here
+        with self._replaying(st):  # the clear and the rebuild are written as one
+            self._reset(st, "gap")
+            if remaining and remaining[-1][0] >= live_seq - 1:
+                # the buffer's tail reaches the live stream without a hole: rebuild from it
+                for seq, payload in remaining:
+                    await self._apply_replayed(st, seq, payload)
+                st.expected = remaining[-1][0] + 1
+            else:
+                st.expected = live_seq  # a hole before live_seq could hide removals: start clean here
 
     async def _fetch_replay(self, st: _Stream, start: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from ``start`` on, or None if the replay socket did not answer.
@@ -1174,10 +1181,38 @@ class KVEventBridge:
         finally:
             sock.close(linger=0)
 
-    def _apply(self, st: _Stream, seq: int, payload: bytes) -> None:
-        """Apply one batch at once (catching up and repairing gaps: nothing may see it half done)."""
+    @contextlib.contextmanager
+    def _replaying(self, st: _Stream) -> Generator[None, None, None]:
+        """While a replayed history is applied (up to the engine's 10,000 buffered batches, which
+        took ~0.14 s of loop at 4 blocks each), the loop runs between slices of it, but nothing
+        writes the half-applied map: flushes wait and the unproven-entries clock does not act, so
+        the directory goes from the state before to the state after in one write, as when the
+        history was applied without yielding. Cancelled (closing), the flag stays: the final flush
+        must not write a half-applied history either."""
+        st.replaying = True
+        cancelled = False
+        try:
+            yield
+        except asyncio.CancelledError:
+            cancelled = True
+            raise
+        finally:
+            if not cancelled:
+                st.replaying = False
+                st.dirty.set()
+
+    async def _apply_replayed(self, st: _Stream, seq: int, payload: bytes) -> None:
+        """Apply one replayed batch (inside ``_replaying``), yielding to the loop whenever
+        ``REPLAY_SLICE_S`` of work ran since the last yield: decisions run between the slices."""
         for _ in self._apply_steps(st, seq, payload):
-            pass
+            if time.perf_counter() >= self._replay_yield_at:
+                await self._replay_yield()
+        if time.perf_counter() >= self._replay_yield_at:
+            await self._replay_yield()
+
+    async def _replay_yield(self) -> None:
+        await asyncio.sleep(0)
+        self._replay_yield_at = time.perf_counter() + self.REPLAY_SLICE_S
 
     async def _apply_live(self, st: _Stream, seq: int, payload: bytes) -> None:
         """Apply one live batch, letting the event loop run between slices of ``STEP_BLOCKS``
@@ -1315,6 +1350,8 @@ class KVEventBridge:
 
     async def _flush_once(self, st: _Stream) -> None:
         node = st.spec.node_id
+        if st.replaying:  # half a history applied: written once it is whole (``_replaying`` sets dirty)
+            return
         if not st.writer:
             st.blocks.drop_changes()  # another bridge writes this node; we rewrite it if we take over
             return
@@ -1420,7 +1457,7 @@ class KVEventBridge:
             if st.connected:
                 try:
                     await self._hold_lease(st)
-                    if st.writer and not st.authoritative:
+                    if st.writer and not st.authoritative and not st.replaying:
                         self._expire_unproven(st)
                     # a collected node's liveness is the static fleet's health checks: we cannot
                     # see its socket, so we only write its entries
