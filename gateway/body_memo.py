@@ -1,0 +1,245 @@
+"""JSON decoding of a chat body that repeats a body seen before, without decoding the repeat.
+
+A continuing chat resends its whole history each turn: at 128k tokens that is ~460 kB of JSON
+whose decoding (~0.1 ms, msgspec) was most of what a decision's cost grows with. The body of
+the next turn begins with the bytes of the previous one up to the end of one of its messages.
+``BodyMemo`` keeps recent long bodies with where each of their messages ends and the messages
+already decoded; a body that starts with the very bytes of a kept one up to a message's end
+(checked with ``bytes.startswith``: a memcmp, ~5 µs for 460 kB) takes those decoded messages and
+decodes only the rest.
+
+Why this is exact: JSON is context-free, and after a message's closing brace the parser's state
+is fixed: inside the top-level object, inside its ``messages`` array, after an element. So the
+rest of the body decodes the same after ``{"messages":[0`` (the decoded prefix stood in by one
+placeholder element) as after the prefix. The top-level fields before ``messages`` were decoded
+once from the prefix's own bytes (``<prefix up to the array>0}``), so duplicate keys resolve as
+in a whole decode (last one wins, first one's place); a ``messages`` key repeated in the rest
+(it would replace the array) is seen by where its value lies, and such a body, like any body the
+rest of which fails to decode, is decoded whole, so its errors read as before. Property tests
+compare every answer with a whole decode.
+
+The kept bodies are found by xxh3 of the 2 kB before their 64th, 128th, 256th... kB (the ladder's
+rungs): a body is looked up at the longest rung it may share with a kept one, so chats sharing a
+long system prompt are told apart by the history after it (a key only finds candidates: the
+comparison decides). Bounded by bytes (LRU), charged twice a kept
+body's length (its bytes and its decoded messages, which later turns share). Used from the event
+loop only (not thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import xxhash
+
+MIN_BYTES = 64 << 10  # shorter bodies are decoded whole (a hit costs ~10 µs of bookkeeping: less only past ~50 kB)
+LADDER_TOP = 64 << 20  # the longest rung
+BUCKET = 8  # kept bodies filed under one rung key (the most recent ones)
+MAX_COMPARES = 3  # message ends tried with a full comparison per kept body
+_GUARD = 32  # bytes before a message's end compared first (most wrong ends differ there)
+_WINDOW = 2048  # bytes before a rung that file a body under it (hashing all of them cost ~25 µs at 128k)
+_OPEN = b'{"messages":[0'
+_ARRAY_AT = len(b'{"messages":')  # where the array of a decoded stand-in must lie
+
+_decode = msgspec.json.Decoder().decode
+_raw_fields = msgspec.json.Decoder(dict[str, msgspec.Raw]).decode
+_raw_items = msgspec.json.Decoder(list[msgspec.Raw]).decode
+
+
+def _address(buffer: Any) -> int:
+    return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+
+
+def _keys(body: bytes) -> list[tuple[int, int]]:
+    """The body's (rung, key) pairs, longest rung first: each key hashes the window before its
+    rung, chained from the key of the rung below."""
+    view = memoryview(body)
+    out = []
+    key = 0
+    rung = MIN_BYTES
+    while rung <= min(len(body), LADDER_TOP):
+        key = xxhash.xxh3_64_intdigest(view[rung - _WINDOW : rung], seed=key)
+        out.append((rung, key))
+        rung *= 2
+    return out[::-1]
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A decoded chat body: its bytes, and once asked for, where its messages end and what they
+    and the top-level fields before them decode to (``ends`` None: not worked out yet;
+    empty: unusable, e.g. ``messages`` is not an array)."""
+
+    data: bytes
+    keys: list[tuple[int, int]]  # the rungs it is filed under
+    ends: list[int] | None = None
+    messages: list[Any] | None = None
+    head: dict[str, Any] | None = None  # fields before the array, ``messages`` among them
+
+
+class BodyMemo:
+    """``decode`` equals ``msgspec.json.decode`` of the body; long chat bodies that repeat a kept
+    one up to a message's end decode only what follows."""
+
+    def __init__(self, *, max_bytes: int = 64 << 20) -> None:
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = max_bytes
+        self._kept: OrderedDict[int, _Kept] = OrderedDict()  # id -> body, least recent first
+        self._index: dict[tuple[int, int], list[int]] = {}  # (rung, xxh3 of that many bytes) -> ids
+        self._bytes = 0
+        self._next_id = 0
+        self.hits = 0
+        self.misses = 0
+        self.reused_bytes = 0  # bytes of bodies taken from the memo, not decoded
+
+    def decode(self, body: bytes) -> Any:
+        """The body's JSON value; raises what ``msgspec.json.decode`` raises."""
+        if len(body) < MIN_BYTES or not self.max_bytes:
+            return _decode(body)
+        hashes = _keys(body)
+        best: tuple[int, int, int] | None = None  # (bytes reused, kept id, message index)
+        tried: set[int] = set()
+        for rung, key in hashes:
+            for kept_id in reversed(self._index.get((rung, key), ())):
+                if kept_id in tried:
+                    continue
+                tried.add(kept_id)
+                found = self._longest(self._kept[kept_id], body)
+                if found is not None and (best is None or found[0] > best[0]):
+                    best = (found[0], kept_id, found[1])
+                    if best[0] >= rung - _WINDOW:  # past this rung's window: what it was filed for
+                        break
+            if best is not None and best[0] >= rung - _WINDOW:  # no shorter rung will do better
+                break
+        if best is not None:
+            value = self._decode_rest(self._kept[best[1]], best[2], body, hashes)
+            if value is not None:
+                self.hits += 1
+                self._kept.move_to_end(best[1])
+                return value
+        value = _decode(body)
+        self.misses += 1
+        if isinstance(value, dict) and isinstance(value.get("messages"), list):
+            self._keep(_Kept(body, hashes))
+        return value
+
+    def clear(self) -> None:
+        self._kept.clear()
+        self._index.clear()
+        self._bytes = 0
+
+    # -- a kept body continued
+
+    def _longest(self, kept: _Kept, body: bytes) -> tuple[int, int] | None:
+        """The longest prefix of ``body`` that is ``kept``'s up to the end of its message *k*, as
+        (its length, k); None: none long enough."""
+        if kept.ends is None:
+            _work_out(kept)
+        ends = kept.ends
+        assert ends is not None
+        data = kept.data
+        view = memoryview(data)
+        compares = 0
+        for k in range(len(ends) - 1, -1, -1):
+            end = ends[k]
+            if end < MIN_BYTES // 2 or compares >= MAX_COMPARES:
+                return None
+            if end > len(body) or body[end - _GUARD : end] != data[end - _GUARD : end]:
+                continue
+            compares += 1
+            if body.startswith(view[:end]):
+                return end, k
+        return None
+
+    def _decode_rest(self, kept: _Kept, k: int, body: bytes, hashes: list[tuple[int, int]]) -> dict[str, Any] | None:
+        assert kept.ends is not None and kept.messages is not None and kept.head is not None
+        cut = kept.ends[k]
+        stand_in = _OPEN + body[cut:]
+        try:
+            fields = _raw_fields(stand_in)
+            array = fields.pop("messages")
+            if _address(array) - _address(stand_in) != _ARRAY_AT:
+                return None  # a later "messages" replaced the array: decode whole
+            items = _raw_items(array)
+            base = _address(stand_in) - cut + len(_OPEN)  # address of body[0], seen through stand_in
+            new = [_decode(item) for item in items[1:]]
+            new_ends = _ends(body, items[1:], base)
+            tail = {name: _decode(raw) for name, raw in fields.items()}
+        except (msgspec.DecodeError, RecursionError, _Misplaced):
+            return None  # decoded whole: the client is told that decode's error, if any
+        self.reused_bytes += cut
+        messages = kept.messages[: k + 1] + new
+        value = dict(kept.head)
+        value["messages"] = messages
+        value.update(tail)
+        self._keep(_Kept(body, hashes, kept.ends[: k + 1] + new_ends, messages, kept.head))
+        return value
+
+    # -- bookkeeping
+
+    def _keep(self, kept: _Kept) -> None:
+        cost = 2 * len(kept.data)
+        if cost > self.max_bytes:
+            return
+        kept_id = self._next_id
+        self._next_id += 1
+        self._kept[kept_id] = kept
+        self._bytes += cost
+        for key in kept.keys:
+            bucket = self._index.setdefault(key, [])
+            bucket.append(kept_id)
+            if len(bucket) > BUCKET:
+                del bucket[0]  # no longer found there; the byte bound evicts it
+        while self._bytes > self.max_bytes:
+            self._drop(next(iter(self._kept)))
+
+    def _drop(self, kept_id: int) -> None:
+        kept = self._kept.pop(kept_id, None)
+        if kept is None:
+            return
+        self._bytes -= 2 * len(kept.data)
+        for key in kept.keys:
+            bucket = self._index.get(key)
+            if bucket is not None and kept_id in bucket:  # a short list
+                bucket.remove(kept_id)
+                if not bucket:
+                    del self._index[key]
+
+
+def _work_out(kept: _Kept) -> None:
+    """Where the kept body's messages end, their values, and the fields before the array."""
+    kept.ends = []
+    data = kept.data
+    try:
+        array = _raw_fields(data)["messages"]
+        at = _address(array) - _address(data)
+        items = _raw_items(array)
+        if not items:
+            return
+        head = _decode(data[:at] + b"0}")
+        messages = [_decode(item) for item in items]
+        ends = _ends(data, items, _address(data))
+    except (msgspec.DecodeError, KeyError, RecursionError, _Misplaced):  # not an array, or nothing to keep
+        return
+    kept.ends, kept.messages, kept.head = ends, messages, head
+
+
+class _Misplaced(Exception):
+    """A raw value does not lie where its address says (never seen: msgspec slices its input)."""
+
+
+def _ends(data: bytes, items: list[msgspec.Raw], base: int) -> list[int]:
+    """Where each item ends in ``data``, whose first byte is at ``base``: checked to be its bytes."""
+    ends = []
+    for item in items:
+        start = _address(item) - base
+        end = start + len(item)
+        if start < 0 or end > len(data) or not data.startswith(memoryview(item), start):  # a memcmp
+            raise _Misplaced
+        ends.append(end)
+    return ends

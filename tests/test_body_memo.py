@@ -1,0 +1,177 @@
+"""The body memo (``gateway.body_memo``): every body it decodes equals a whole decode of it, values,
+key order and errors alike, however the body repeats, edits or breaks a kept one."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.body_memo import MIN_BYTES, BodyMemo
+
+HISTORY = " ".join(f"sentence {i} of a long history, with a \\\"quote\\\" and \\u00e9." for i in range(2500))
+assert len(HISTORY) > 2 * MIN_BYTES
+
+
+def _whole(body: bytes) -> tuple[str, object]:
+    try:
+        return "ok", msgspec.json.decode(body)
+    except msgspec.DecodeError as e:
+        return "error", str(e)
+
+
+def _memo(memo: BodyMemo, body: bytes) -> tuple[str, object]:
+    try:
+        return "ok", memo.decode(body)
+    except msgspec.DecodeError as e:
+        return "error", str(e)
+
+
+def _same(memo: BodyMemo, body: bytes) -> None:
+    want, got = _whole(body), _memo(memo, body)
+    assert got == want
+    if want[0] == "ok" and isinstance(want[1], dict):
+        assert list(got[1]) == list(want[1])  # key order too  # type: ignore[arg-type]
+
+
+def _message(role: str, content: str) -> bytes:
+    return b'{"role": "%s", "content": "%s"}' % (role.encode(), content.encode())
+
+
+def _body(messages: list[bytes], *, head: bytes = b'"model": "m", ', tail: bytes = b', "max_tokens": 8') -> bytes:
+    return b"{" + head + b'"messages": [' + b", ".join(messages) + b"]" + tail + b"}"
+
+
+BASE = [_message("system", "Be brief."), _message("user", HISTORY), _message("assistant", "Noted.")]
+
+
+def test_a_continuing_chat_decodes_its_history_from_the_memo() -> None:
+    memo = BodyMemo()
+    turns = [_body([*BASE, _message("user", f"question {t}")]) for t in range(5)]
+    grown = _body([*BASE, _message("user", "question 4"), _message("assistant", "answer"), _message("user", "next")])
+    for body in [*turns, grown, grown]:
+        _same(memo, body)
+    assert memo.hits == 6 and memo.misses == 1
+
+
+def test_short_bodies_and_other_values_are_decoded_whole() -> None:
+    memo = BodyMemo()
+    for body in (b'{"model": "m", "messages": []}', b"[1, 2]", b'"x"', b"{", b'{"prompt": "' + HISTORY.encode() + b'"}'):
+        _same(memo, body)
+    assert memo.hits == 0
+
+
+# what may follow the kept messages: each either decodes as the whole body does or fails as it does
+RESTS = [
+    b"]",
+    b" ] ",
+    b", " + _message("user", "new"),
+    b",\n\t" + _message("user", "new") + b" ,  " + _message("assistant", "x"),
+    b", 1, null, [2], \"s\"",
+    b",]",  # invalid
+    b", {\"role\": \"user\", \"content\": \"\\x\"}",  # invalid escape
+    b", {\"role\": \"user\", \"content\": \"\xff\"}",  # invalid UTF-8
+    b", {}",
+]
+TAILS = [
+    b"",
+    b', "max_tokens": 8',
+    b', "model": "other"',  # a duplicate of a field before the array: the last one wins
+    b', "messages": [1]',  # the array replaced by a later one
+    b', "\\u006dessages": [2]',  # ... spelled with an escape
+    b', "messages": 3, "model": "x", "messages": [4]',
+    b', "x": {"messages": [5]}',
+    b"} trailing",  # invalid: the object closed twice
+    b', "max_tokens": 8}, "extra": 1',  # invalid
+    b', "n": 1e999',
+]
+HEADS = [b'"model": "m", ', b'"model": "a", "model": "b", ', b'"messages": [0], "model": "m", ', b"", b'"tools": [{"a": [1, {"b": null}]}], ']
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    head=st.sampled_from(HEADS),
+    kept=st.integers(1, len(BASE)),
+    rest=st.sampled_from(RESTS),
+    tail=st.sampled_from(TAILS),
+    space=st.sampled_from([b"", b" ", b"\n  "]),
+)
+def test_a_body_after_a_kept_one_decodes_as_whole(head: bytes, kept: int, rest: bytes, tail: bytes, space: bytes) -> None:
+    memo = BodyMemo()
+    first = _body([*BASE, _message("user", "q0")], head=head)
+    _same(memo, first)
+    prefix = b"{" + head + b'"messages": [' + b", ".join(BASE[:kept])  # the first body's bytes up to a message's end
+    body = prefix + space + rest + (b"" if rest.rstrip().endswith(b"]") else b"]") + tail + b"}"
+    _same(memo, body)
+    _same(memo, body)  # and again, now that it is kept itself
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_kept_body_edited_anywhere_decodes_as_whole(data: st.DataObject) -> None:
+    memo = BodyMemo()
+    first = _body([*BASE, _message("user", "q0")])
+    _same(memo, first)
+    body = bytearray(_body([*BASE, _message("user", "q1")]))
+    for _ in range(data.draw(st.integers(1, 3))):
+        at = data.draw(st.integers(0, len(body) - 1))
+        body[at] = data.draw(st.sampled_from(b'x"\\{}[],: 0\xff'))
+    _same(memo, bytes(body))
+
+
+def test_a_deep_nesting_in_the_new_turn_is_the_whole_decodes_error() -> None:
+    memo = BodyMemo()
+    _same(memo, _body([*BASE, _message("user", "q0")]))
+    deep = _body([*BASE, b"[" * 100_000 + b"]" * 100_000])
+    with pytest.raises(RecursionError):
+        msgspec.json.decode(deep)
+    with pytest.raises(RecursionError):
+        memo.decode(deep)
+
+
+def test_results_are_new_containers_each_time() -> None:
+    """The top-level object and the messages array are the caller's: changing them changes no
+    later answer (the messages themselves are shared, and the request path never changes them)."""
+    memo = BodyMemo()
+    body = _body([*BASE, _message("user", "q0")])
+    memo.decode(body)
+    first = memo.decode(body)
+    first["messages"].append("changed")
+    first["model"] = "changed"
+    _same(memo, body)
+
+
+def test_the_memo_stays_within_its_byte_bound() -> None:
+    memo = BodyMemo(max_bytes=1_000_000)
+    for i in range(40):
+        body = _body([_message("user", f"chat {i} " + HISTORY), _message("user", f"q{i}")])
+        _same(memo, body)
+        _same(memo, _body([_message("user", f"chat {i} " + HISTORY), _message("user", f"r{i}")]))
+        assert memo._bytes <= 1_000_000
+    assert memo.hits == 40
+    memo.clear()
+    assert memo._bytes == 0
+
+
+def test_chats_sharing_a_long_system_prompt_each_find_their_own_history() -> None:
+    memo = BodyMemo()
+    system = _message("system", HISTORY)
+    chats = [[system, _message("user", f"chat {i}: " + HISTORY[997 * i :])] for i in range(12)]
+    for turn in range(3):
+        for msgs in chats:
+            before = memo.reused_bytes
+            _same(memo, _body([*msgs, _message("user", f"turn {turn}")]))
+            if turn:  # its own history, not only the system prompt
+                assert memo.reused_bytes - before == len(b'{"model": "m", "messages": [' + b", ".join(msgs))
+
+
+def test_a_json_dumps_body_round_trips() -> None:
+    memo = BodyMemo()
+    msgs = [{"role": "user", "content": "日本語 " + HISTORY}, {"role": "assistant", "content": None}]
+    for t in range(3):
+        body = json.dumps({"model": "m", "messages": [*msgs, {"role": "user", "content": f"t{t}"}], "stream": True}).encode()
+        _same(memo, body)
+    assert memo.hits == 2
