@@ -175,3 +175,32 @@ def test_a_json_dumps_body_round_trips() -> None:
         body = json.dumps({"model": "m", "messages": [*msgs, {"role": "user", "content": f"t{t}"}], "stream": True}).encode()
         _same(memo, body)
     assert memo.hits == 2
+
+
+async def test_a_core_with_the_memo_routes_a_long_chat_as_one_without() -> None:
+    """Through ``RoutingCore``: the same turns, with the memo and without, ask the policy about the
+    same prompt (its length and its last block key, which chains every token before it)."""
+    from directory_client import InProcessDirectory, NodeInfo
+    from gateway.core import RoutingCore, RoutingLimits
+    from gateway.policy import make_policy
+    from gateway.profile import load_profile
+    from tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer()
+    cores = []
+    for memo_bytes in (64 << 20, 0):
+        directory = InProcessDirectory()
+        await directory.register_node(NodeInfo("n1", "127.0.0.1:9001"))
+        cores.append(RoutingCore(tok, directory, make_policy("kvgate"), load_profile("llama-3.1-8b-h100"),
+                                 RoutingLimits(head_chars=0), body_memo_bytes=memo_bytes))
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": HISTORY.replace("\\", "")}]
+    for turn in range(4):
+        history += [{"role": "assistant", "content": f"answer {turn}"}, {"role": "user", "content": f"question {turn}"}]
+        body = json.dumps({"model": "m", "messages": history, "max_tokens": 8}).encode()
+        asked = []
+        for core in cores:
+            result = await core.route("/v1/chat/completions", body, sees_response_end=False)
+            assert result.kind == "routed" and result.request is not None
+            asked.append((result.request.prompt_tokens, result.request.affinity, result.request.total_blocks))
+        assert asked[0] == asked[1]
+    assert cores[0].bodies.hits == 3 and cores[1].bodies.hits == 0
