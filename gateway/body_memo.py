@@ -21,9 +21,9 @@ compare every answer with a whole decode.
 The kept bodies are found by xxh3 of the 2 kB before their 64th, 128th, 256th... kB (the ladder's
 rungs): a body is looked up at the longest rung it may share with a kept one, so chats sharing a
 long system prompt are told apart by the history after it (a key only finds candidates: the
-comparison decides). Bounded by bytes (LRU), charged twice a kept
-body's length (its bytes and its decoded messages, which later turns share). Used from the event
-loop only (not thread-safe).
+comparison decides). The memo is bounded by bytes (LRU): a kept body is charged its bytes, their
+text decoded, and an upper bound of the objects its messages decode to (``_weight``). Used from
+the event loop only (not thread-safe).
 """
 
 from __future__ import annotations
@@ -79,6 +79,8 @@ class _Kept:
     ends: list[int] | None = None
     messages: list[Any] | None = None
     head: dict[str, Any] | None = None  # fields before the array, ``messages`` among them
+    weights: list[int] | None = None  # bytes charged for the decoded values up to each message's end
+    cost: int = 0  # bytes charged for it in all (``_cost``)
 
 
 class BodyMemo:
@@ -105,18 +107,19 @@ class BodyMemo:
         best: tuple[int, int, int] | None = None  # (bytes reused, kept id, message index)
         tried: set[int] = set()
         for rung, key in hashes:
-            for kept_id in reversed(self._index.get((rung, key), ())):
-                if kept_id in tried:
+            for kept_id in reversed(list(self._index.get((rung, key), ()))):
+                kept = self._kept.get(kept_id)  # None: dropped while working out another one
+                if kept is None or kept_id in tried:
                     continue
                 tried.add(kept_id)
-                found = self._longest(self._kept[kept_id], body)
+                found = self._longest(kept, body)
                 if found is not None and (best is None or found[0] > best[0]):
                     best = (found[0], kept_id, found[1])
                     if best[0] >= rung - _WINDOW:  # past this rung's window: what it was filed for
                         break
             if best is not None and best[0] >= rung - _WINDOW:  # no shorter rung will do better
                 break
-        if best is not None:
+        if best is not None and best[1] in self._kept:
             value = self._decode_rest(self._kept[best[1]], best[2], body, hashes)
             if value is not None:
                 self.hits += 1
@@ -140,6 +143,7 @@ class BodyMemo:
         (its length, k); None: none long enough."""
         if kept.ends is None:
             _work_out(kept)
+            self._charge(kept)
         ends = kept.ends
         assert ends is not None
         data = kept.data
@@ -177,32 +181,48 @@ class BodyMemo:
         value = dict(kept.head)
         value["messages"] = messages
         value.update(tail)
-        self._keep(_Kept(body, hashes, kept.ends[: k + 1] + new_ends, messages, kept.head))
+        assert kept.weights is not None
+        weights = kept.weights[: k + 1]
+        start = cut
+        for end in new_ends:
+            weights.append(weights[-1] + _weight(body, start, end))
+            start = end
+        self._keep(_Kept(body, hashes, kept.ends[: k + 1] + new_ends, messages, kept.head, weights))
         return value
 
     # -- bookkeeping
 
     def _keep(self, kept: _Kept) -> None:
-        cost = 2 * len(kept.data)
-        if cost > self.max_bytes:
+        kept.cost = _cost(kept)
+        if kept.cost > self.max_bytes:
             return
         kept_id = self._next_id
         self._next_id += 1
         self._kept[kept_id] = kept
-        self._bytes += cost
+        self._bytes += kept.cost
         for key in kept.keys:
             bucket = self._index.setdefault(key, [])
             bucket.append(kept_id)
             if len(bucket) > BUCKET:
                 del bucket[0]  # no longer found there; the byte bound evicts it
-        while self._bytes > self.max_bytes:
+        self._shrink()
+
+    def _charge(self, kept: _Kept) -> None:
+        """Charge a kept body anew (its messages were decoded since), then keep to the bound."""
+        cost = _cost(kept)
+        self._bytes += cost - kept.cost
+        kept.cost = cost
+        self._shrink()
+
+    def _shrink(self) -> None:
+        while self._bytes > self.max_bytes and self._kept:
             self._drop(next(iter(self._kept)))
 
     def _drop(self, kept_id: int) -> None:
         kept = self._kept.pop(kept_id, None)
         if kept is None:
             return
-        self._bytes -= 2 * len(kept.data)
+        self._bytes -= kept.cost
         for key in kept.keys:
             bucket = self._index.get(key)
             if bucket is not None and kept_id in bucket:  # a short list
@@ -226,7 +246,28 @@ def _work_out(kept: _Kept) -> None:
         ends = _ends(data, items, _address(data))
     except (msgspec.DecodeError, KeyError, RecursionError, _Misplaced):  # not an array, or nothing to keep
         return
-    kept.ends, kept.messages, kept.head = ends, messages, head
+    weights = [_weight(data, 0, at)]  # the head's
+    start = at
+    for end in ends:
+        weights.append(weights[-1] + _weight(data, start, end))
+        start = end
+    kept.ends, kept.messages, kept.head, kept.weights = ends, messages, head, weights[1:]
+
+
+def _weight(data: bytes, start: int, end: int) -> int:
+    """An upper bound of the bytes the values decoded from ``data[start:end]`` take beyond the
+    text in it: every object, array and element (an object's 256 and an element's 64 bytes cover
+    CPython's dict, list, small string and int), found by counting ``{``, ``[`` and ``,`` (memchr
+    speed; those inside strings only add to the bound)."""
+    return 256 * data.count(b"{", start, end) + 64 * (data.count(b"[", start, end) + data.count(b",", start, end))
+
+
+def _cost(kept: _Kept) -> int:
+    """Bytes a kept body is charged: its bytes, its strings' text (at most as long) and, once its
+    messages are decoded, their objects (``_weight``); later turns share them, so a chat is charged
+    more than it holds."""
+    decoded = kept.weights[-1] if kept.weights else 0
+    return 2 * len(kept.data) + decoded
 
 
 class _Misplaced(Exception):

@@ -204,3 +204,20 @@ async def test_a_core_with_the_memo_routes_a_long_chat_as_one_without() -> None:
             asked.append((result.request.prompt_tokens, result.request.affinity, result.request.total_blocks))
         assert asked[0] == asked[1]
     assert cores[0].bodies.hits == 3 and cores[1].bodies.hits == 0
+
+
+def test_many_small_messages_are_charged_what_they_decode_to() -> None:
+    """Objects decode to several times their JSON bytes (an empty object: 3 bytes, 64 in memory):
+    the bound counts them, so a body of tiny messages is charged past its length, and a bound
+    below that keeps none of it decoded."""
+    small = [b"{}"] * 40_000
+    bodies = [_body([*small, _message("user", turn)]) for turn in "abc"]
+    roomy, tight = BodyMemo(max_bytes=64 << 20), BodyMemo(max_bytes=4 * len(bodies[0]))
+    for body in bodies:
+        _same(roomy, body)
+        _same(tight, body)
+        for memo in (roomy, tight):
+            assert memo._bytes == sum(k.cost for k in memo._kept.values()) <= memo.max_bytes
+    assert roomy.hits == 2 and tight.hits == 0
+    assert all(k.cost >= 2 * len(k.data) + 256 * 40_000 for k in roomy._kept.values() if k.weights)
+    assert all(k.weights is None for k in tight._kept.values())
