@@ -92,7 +92,7 @@ class BodyMemo:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = max_bytes
         self._kept: OrderedDict[int, _Kept] = OrderedDict()  # id -> body, least recent first
-        self._index: dict[tuple[int, int], list[int]] = {}  # (rung, xxh3 of that many bytes) -> ids
+        self._index: dict[tuple[int, int], list[int]] = {}  # (rung, its key: ``_keys``) -> ids, oldest first
         self._bytes = 0
         self._next_id = 0
         self.hits = 0
