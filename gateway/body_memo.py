@@ -120,10 +120,11 @@ class BodyMemo:
             if best is not None and best[0] >= rung - _WINDOW:  # no shorter rung will do better
                 break
         if best is not None and best[1] in self._kept:
+            # made recent first: keeping the continued body may evict the least recent, this one too
+            self._kept.move_to_end(best[1])
             value = self._decode_rest(self._kept[best[1]], best[2], body, hashes)
             if value is not None:
                 self.hits += 1
-                self._kept.move_to_end(best[1])
                 return value
         value = _decode(body)
         self.misses += 1
