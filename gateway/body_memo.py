@@ -22,7 +22,7 @@ The kept bodies are found by xxh3 of the 2 kB before their 64th, 128th, 256th...
 rungs): a body is looked up at the longest rung it may share with a kept one, so chats sharing a
 long system prompt are told apart by the history after it (a key only finds candidates: the
 comparison decides). The memo is bounded by bytes (LRU): a kept body is charged its bytes, their
-text decoded, and an upper bound of the objects its messages decode to (``_weight``). Used from
+text decoded, and an upper bound of the objects its messages decode to (``_charges``). Used from
 the event loop only (not thread-safe).
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import msgspec
@@ -40,6 +41,8 @@ MIN_BYTES = 64 << 10  # shorter bodies are decoded whole (a hit costs ~10 µs of
 LADDER_TOP = 64 << 20  # the longest rung
 BUCKET = 8  # kept bodies filed under one rung key (the most recent ones)
 MAX_COMPARES = 3  # message ends tried with a full comparison per kept body
+MAX_GUARDS = 64  # message ends tried at all per kept body, the last ones (a continuation shares nearly all)
+MAX_MESSAGES = 1 << 16  # bodies with more messages are decoded whole (no chat has them; bounds held lists)
 _GUARD = 32  # bytes before a message's end compared first (most wrong ends differ there)
 _WINDOW = 2048  # bytes before a rung that file a body under it (hashing all of them cost ~25 µs at 128k)
 _OPEN = b'{"messages":[0'
@@ -128,7 +131,8 @@ class BodyMemo:
                 return value
         value = _decode(body)
         self.misses += 1
-        if isinstance(value, dict) and isinstance(value.get("messages"), list):
+        messages = value.get("messages") if isinstance(value, dict) else None
+        if isinstance(messages, list) and len(messages) <= MAX_MESSAGES:
             self._keep(_Kept(body, hashes))
         return value
 
@@ -150,7 +154,7 @@ class BodyMemo:
         data = kept.data
         view = memoryview(data)
         compares = 0
-        for k in range(len(ends) - 1, -1, -1):
+        for k in range(len(ends) - 1, max(len(ends) - MAX_GUARDS, 0) - 1, -1):
             end = ends[k]
             if end < MIN_BYTES // 2 or compares >= MAX_COMPARES:
                 return None
@@ -171,8 +175,10 @@ class BodyMemo:
             if _address(array) - _address(stand_in) != _ARRAY_AT:
                 return None  # a later "messages" replaced the array: decode whole
             items = _raw_items(array)
+            if k + len(items) > MAX_MESSAGES:
+                return None
             base = _address(stand_in) - cut + len(_OPEN)  # address of body[0], seen through stand_in
-            new = [_decode(item) for item in items[1:]]
+            new = _decode(array)[1:]  # one decode of the array, not one per message
             new_ends = _ends(body, items[1:], base)
             tail = {name: _decode(raw) for name, raw in fields.items()}
         except (msgspec.DecodeError, RecursionError, _Misplaced):
@@ -184,10 +190,8 @@ class BodyMemo:
         value.update(tail)
         assert kept.weights is not None
         weights = kept.weights[: k + 1]
-        start = cut
-        for end in new_ends:
-            weights.append(weights[-1] + _weight(body, start, end))
-            start = end
+        if new_ends:
+            weights += list(accumulate(_charges(body, [cut, *new_ends]), initial=weights[-1]))[1:]
         self._keep(_Kept(body, hashes, kept.ends[: k + 1] + new_ends, messages, kept.head, weights))
         return value
 
@@ -242,30 +246,44 @@ def _work_out(kept: _Kept) -> None:
         items = _raw_items(array)
         if not items:
             return
+        if len(items) > MAX_MESSAGES:
+            return
         head = _decode(data[:at] + b"0}")
-        messages = [_decode(item) for item in items]
+        messages = _decode(array)
         ends = _ends(data, items, _address(data))
     except (msgspec.DecodeError, KeyError, RecursionError, _Misplaced):  # not an array, or nothing to keep
         return
-    weights = [_weight(data, 0, at)]  # the head's
-    start = at
-    for end in ends:
-        weights.append(weights[-1] + _weight(data, start, end))
-        start = end
+    weights = list(accumulate(_charges(data, [0, at, *ends])))  # the head's first
     kept.ends, kept.messages, kept.head, kept.weights = ends, messages, head, weights[1:]
 
 
-def _weight(data: bytes, start: int, end: int) -> int:
-    """An upper bound of the bytes the values decoded from ``data[start:end]`` take beyond the
-    text in it: every object, array and element (an object's 256 and an element's 64 bytes cover
-    CPython's dict, list, small string and int), found by counting ``{``, ``[`` and ``,`` (memchr
-    speed; those inside strings only add to the bound)."""
-    return 256 * data.count(b"{", start, end) + 64 * (data.count(b"[", start, end) + data.count(b",", start, end))
+def _charges(data: bytes, bounds: list[int]) -> list[int]:
+    """Upper bounds of the bytes the values decoded from each ``data[bounds[i]:bounds[i + 1]]``
+    take beyond the text in it: every object, array and element (an object's 256 and an
+    element's 64 bytes cover CPython's dict, list, small string and int), found by counting
+    ``{``, ``[`` and ``,`` (those inside strings only add to the bound). A few ranges (a hit's
+    new messages) are counted one by one (numpy's calls cost more than that), many with a few
+    vectorised passes over the bytes, no Python per message."""
+    if len(bounds) <= 9:
+        return [
+            256 * data.count(b"{", start, end) + 64 * (data.count(b"[", start, end) + data.count(b",", start, end))
+            for start, end in zip(bounds, bounds[1:])
+        ]
+    lo = bounds[0]
+    raw = np.frombuffer(data, dtype=np.uint8)[lo : bounds[-1]]
+    cuts = np.asarray(bounds, dtype=np.int64) - lo
+
+    def in_each(positions: np.ndarray) -> np.ndarray:  # how many of the sorted positions lie in each range
+        return np.diff(np.searchsorted(positions, cuts))
+
+    objects = in_each(np.flatnonzero(raw == 0x7B))
+    elements = in_each(np.flatnonzero((raw == 0x5B) | (raw == 0x2C)))
+    return (256 * objects + 64 * elements).tolist()
 
 
 def _cost(kept: _Kept) -> int:
     """Bytes a kept body is charged: its bytes, its strings' text (at most as long) and, once its
-    messages are decoded, their objects (``_weight``); later turns share them, so a chat is charged
+    messages are decoded, their objects (``_charges``); later turns share them, so a chat is charged
     more than it holds."""
     decoded = kept.weights[-1] if kept.weights else 0
     return 2 * len(kept.data) + decoded
@@ -276,7 +294,31 @@ class _Misplaced(Exception):
 
 
 def _ends(data: bytes, items: list[msgspec.Raw], base: int) -> list[int]:
-    """Where each item ends in ``data``, whose first byte is at ``base``: checked to be its bytes."""
+    """Where each item ends in ``data``, whose first byte is at ``base``: checked to be its bytes.
+
+    The first item is found by its address, the separator by the second's; that the items joined
+    by it are the bytes from the first on (one memcmp) proves every separator is that one (a
+    separator is whitespace and a comma, an item starts with neither), so the ends are a running
+    sum of the lengths. Items spaced unevenly are located one by one, if few."""
+    if len(items) <= 8:  # numpy's calls cost more than locating a few
+        return _ends_one_by_one(data, items, base)
+    start = _address(items[0]) - base
+    first = len(items[0])
+    if start < 0 or not data.startswith(memoryview(items[0]), start):
+        raise _Misplaced
+    gap = _address(items[1]) - base - start - first
+    if gap < 1:
+        raise _Misplaced
+    separator = data[start + first : start + first + gap]
+    if data.startswith(separator.join(items), start):  # bytes.join takes any buffer
+        lengths = np.fromiter(map(len, items), dtype=np.int64, count=len(items))
+        return (np.cumsum(lengths + gap) + (start - gap)).tolist()
+    if len(items) > MAX_GUARDS:
+        raise _Misplaced
+    return _ends_one_by_one(data, items, base)
+
+
+def _ends_one_by_one(data: bytes, items: list[msgspec.Raw], base: int) -> list[int]:
     ends = []
     for item in items:
         start = _address(item) - base

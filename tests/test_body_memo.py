@@ -221,3 +221,30 @@ def test_many_small_messages_are_charged_what_they_decode_to() -> None:
     assert roomy.hits == 2 and tight.hits == 0
     assert all(k.cost >= 2 * len(k.data) + 256 * 40_000 for k in roomy._kept.values() if k.weights)
     assert all(k.weights is None for k in tight._kept.values())
+
+
+@pytest.mark.parametrize("spacing", ["even", "uneven_few", "uneven_many"])
+def test_many_messages_are_located_at_once_or_one_by_one_and_decode_as_whole(spacing: str) -> None:
+    """A kept body's message ends are a running sum of lengths when one separator joins them all
+    (checked by one comparison); unevenly spaced ones are located one by one if few, or the body
+    is decoded whole. Either way every answer is a whole decode's."""
+    count = 40 if spacing == "uneven_few" else 300
+    msgs = [_message("user", HISTORY)] + [_message("user", f"m{i}") for i in range(count)]
+    seps = [b", " if spacing == "even" or i % 2 else b" ,\n" for i in range(len(msgs) - 1)]
+    joined = msgs[0] + b"".join(s + m for s, m in zip(seps, msgs[1:]))
+    memo = BodyMemo()
+    first = b'{"model": "m", "messages": [' + joined + b"]}"
+    second = b'{"model": "m", "messages": [' + joined + b', {"role": "user", "content": "next"}]}'
+    for body in (first, second, second):
+        _same(memo, body)
+    assert memo.hits == (0 if spacing == "uneven_many" else 2)
+
+
+def test_a_body_with_more_messages_than_the_cap_is_decoded_whole_and_not_kept() -> None:
+    from gateway.body_memo import MAX_MESSAGES
+
+    body = b'{"messages": [' + b",".join([b"[]"] * (MAX_MESSAGES + 1)) + b"]}"
+    memo = BodyMemo()
+    for b in (body, body[:-2] + b",[]]}"):
+        _same(memo, b)
+    assert memo.hits == 0 and not memo._kept
