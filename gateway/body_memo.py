@@ -28,6 +28,7 @@ the event loop only (not thread-safe).
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import accumulate
@@ -46,6 +47,10 @@ MAX_MESSAGES = 1 << 16  # bodies with more messages are decoded whole (no chat h
 _GUARD = 32  # bytes before a message's end compared first (most wrong ends differ there)
 _WINDOW = 2048  # bytes before a rung that file a body under it (hashing all of them cost ~25 µs at 128k)
 _OPEN = b'{"messages":[0'
+_FEW = 8  # message ranges counted, or items located, one by one; more at once (numpy)
+_SCAN = 4096  # bytes of a non-ASCII range scanned by a regex for its widest character; more by numpy
+_ASTRAL = re.compile(rb"[\xf0-\xff]|\\u[dD][89abAB]")  # a 4-byte UTF-8 lead or a high surrogate's escape
+_WIDE = re.compile(rb"[\xc4-\xef]|\\u(?!00)")  # a lead byte past U+00FF or an escape not below U+0100
 _ARRAY_AT = len(b'{"messages":')  # where the array of a decoded stand-in must lie
 
 _decode = msgspec.json.Decoder().decode
@@ -259,16 +264,31 @@ def _work_out(kept: _Kept) -> None:
 
 def _charges(data: bytes, bounds: list[int]) -> list[int]:
     """Upper bounds of the bytes the values decoded from each ``data[bounds[i]:bounds[i + 1]]``
-    take beyond the text in it: every object, array and element (an object's 256 and an
-    element's 64 bytes cover CPython's dict, list, small string and int), found by counting
-    ``{``, ``[`` and ``,`` (those inside strings only add to the bound). A few ranges (a hit's
-    new messages) are counted one by one (numpy's calls cost more than that), many with a few
-    vectorised passes over the bytes, no Python per message."""
-    if len(bounds) <= 9:
-        return [
-            256 * data.count(b"{", start, end) + 64 * (data.count(b"[", start, end) + data.count(b",", start, end))
-            for start, end in zip(bounds, bounds[1:])
-        ]
+    take: every object, array and element (an object's 256 and an element's 64 bytes cover
+    CPython's dict, list, small string and int), found by counting ``{``, ``[`` and ``,`` (those
+    inside strings only add to the bound), and its text at the widest character any string in it
+    may hold: Python keeps a string at 1, 2 or 4 bytes a character by its widest one, and no
+    character takes less than a byte of JSON. Wide: a UTF-8 lead byte past U+00FF or a ``\\u``
+    escape not ``\\u00``; astral: a 4-byte lead or a high surrogate's escape.
+    A few ranges (a hit's new messages) are counted one by one (numpy's calls cost more than
+    that), many with a few vectorised passes over the bytes, no Python per message."""
+    if len(bounds) > _FEW + 1:
+        return _charges_at_once(data, bounds)
+    out = []
+    for start, end in zip(bounds, bounds[1:]):
+        part = data[start:end]
+        if part.isascii() and b"\\u" not in part:
+            width = 1
+        elif len(part) <= _SCAN:
+            width = 4 if _ASTRAL.search(part) else 2 if _WIDE.search(part) else 1
+        else:
+            return _charges_at_once(data, bounds)
+        out.append(256 * part.count(b"{") + 64 * (part.count(b"[") + part.count(b",")) + width * len(part))
+    return out
+
+
+def _charges_at_once(data: bytes, bounds: list[int]) -> list[int]:
+    """``_charges`` in a few vectorised passes over the bytes."""
     lo = bounds[0]
     raw = np.frombuffer(data, dtype=np.uint8)[lo : bounds[-1]]
     cuts = np.asarray(bounds, dtype=np.int64) - lo
@@ -278,15 +298,24 @@ def _charges(data: bytes, bounds: list[int]) -> list[int]:
 
     objects = in_each(np.flatnonzero(raw == 0x7B))
     elements = in_each(np.flatnonzero((raw == 0x5B) | (raw == 0x2C)))
-    return (256 * objects + 64 * elements).tolist()
+    slashes = np.flatnonzero(raw == 0x5C)
+    slashes = slashes[slashes + 3 < len(raw)]
+    escapes = slashes[raw[slashes + 1] == 0x75]  # backslash u
+    first, second = raw[escapes + 2], raw[escapes + 3]
+    wide_escapes = escapes[(first != 0x30) | (second != 0x30)]
+    astral_escapes = escapes[((first | 0x20) == 0x64) & np.isin(second | 0x20, (0x38, 0x39, 0x61, 0x62))]  # \ud8-\udb
+    wide = in_each(np.union1d(np.flatnonzero((raw >= 0xC4) & (raw < 0xF0)), wide_escapes))
+    astral = in_each(np.union1d(np.flatnonzero(raw >= 0xF0), astral_escapes))
+    width = np.where(astral > 0, 4, np.where(wide > 0, 2, 1))
+    return (256 * objects + 64 * elements + width * np.diff(cuts)).tolist()
 
 
 def _cost(kept: _Kept) -> int:
-    """Bytes a kept body is charged: its bytes, its strings' text (at most as long) and, once its
-    messages are decoded, their objects (``_charges``); later turns share them, so a chat is charged
-    more than it holds."""
-    decoded = kept.weights[-1] if kept.weights else 0
-    return 2 * len(kept.data) + decoded
+    """Bytes a kept body is charged: its bytes and, once its messages are decoded, what they
+    decode to (``_charges``); before, as much again (its text, at most as long, held while worked
+    out). Later turns share the decoded messages, so a chat is charged more than it holds."""
+    decoded = kept.weights[-1] if kept.weights else len(kept.data)
+    return len(kept.data) + decoded
 
 
 class _Misplaced(Exception):
@@ -300,7 +329,7 @@ def _ends(data: bytes, items: list[msgspec.Raw], base: int) -> list[int]:
     by it are the bytes from the first on (one memcmp) proves every separator is that one (a
     separator is whitespace and a comma, an item starts with neither), so the ends are a running
     sum of the lengths. Items spaced unevenly are located one by one, if few."""
-    if len(items) <= 8:  # numpy's calls cost more than locating a few
+    if len(items) <= _FEW:
         return _ends_one_by_one(data, items, base)
     start = _address(items[0]) - base
     first = len(items[0])

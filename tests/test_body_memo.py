@@ -4,6 +4,7 @@ key order and errors alike, however the body repeats, edits or breaks a kept one
 from __future__ import annotations
 
 import json
+import sys
 
 import msgspec
 import pytest
@@ -248,3 +249,29 @@ def test_a_body_with_more_messages_than_the_cap_is_decoded_whole_and_not_kept() 
     for b in (body, body[:-2] + b",[]]}"):
         _same(memo, b)
     assert memo.hits == 0 and not memo._kept
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    texts=st.lists(st.text(st.characters(blacklist_categories=("Cs",)), max_size=300), min_size=1, max_size=12),
+    ascii_only=st.booleans(),
+)
+def test_a_messages_charge_covers_its_text_at_the_width_python_keeps_it(texts: list[str], ascii_only: bool) -> None:
+    """One character past U+00FF (or U+FFFF) makes Python keep a whole string at 2 (or 4) bytes a
+    character, however it was spelled (UTF-8 or an escape): each message is charged at least its
+    decoded string's size, and counting ranges one by one agrees with counting them at once."""
+    from gateway.body_memo import _charges, _charges_at_once, _Kept, _work_out
+
+    pad = {"role": "system", "content": "x" * MIN_BYTES}
+    body = json.dumps({"model": "m", "messages": [pad] + [{"role": "user", "content": t} for t in texts]},
+                      ensure_ascii=ascii_only).encode()
+    kept = _Kept(body, [])
+    _work_out(kept)
+    assert kept.ends and kept.weights is not None and len(kept.ends) == len(texts) + 1
+    charged = [b - a for a, b in zip(kept.weights, kept.weights[1:])]
+    for text, charge in zip(texts, charged):
+        assert charge >= sys.getsizeof(text)
+    bounds = [kept.ends[0], *kept.ends[1:]]
+    for lo in range(0, len(bounds) - 1, 3):
+        few = bounds[lo : lo + 4]
+        assert _charges(body, few) == _charges_at_once(body, few)
