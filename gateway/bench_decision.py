@@ -71,7 +71,7 @@ class _Case:
         """The request path's steps one by one (wall time: nothing here waits)."""
         tok, core = self.core.tokenizer, self.core
         marks = [time.perf_counter_ns()]
-        req = msgspec.json.decode(body)
+        req = core.bodies.decode(body)  # as route decodes it: the history from the body memo
         marks.append(time.perf_counter_ns())
         prepared = tok.prepare(CHAT, req)
         marks.append(time.perf_counter_ns())

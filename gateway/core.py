@@ -51,6 +51,7 @@ from directory_client.types import (
 )
 from gateway import metrics
 from gateway.background_tokenize import BackgroundTokenizer
+from gateway.body_memo import BodyMemo
 from gateway.decision_log import DecisionLog
 from gateway.decision_round import (
     MAX_ANSWER_TOKENS,
@@ -84,7 +85,6 @@ FLEET_ONLY_FIELDS = ("kv_transfer_params", "bootstrap_host", "bootstrap_port", "
 NIXL connector, SGLang's disaggregation): from a client they would pin a node's KV for minutes or
 read other requests' blocks; only the P/D sidecar, after the decision, sets them."""
 MAX_MODEL_NAME_CHARS = 1024  # longer names are refused even without a `models` allow-list: no engine serves one
-_json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
 
@@ -173,6 +173,7 @@ class RoutingCore:
         tracer: DecisionTracer | None = None,
         clock: Callable[[], float] = time.monotonic,
         background: BackgroundTokenizer | None = None,
+        body_memo_bytes: int = 64 << 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
@@ -181,6 +182,7 @@ class RoutingCore:
         self.profile = profile
         self.limits = limits
         self.keys = PrefixKeyCache()
+        self.bodies = BodyMemo(max_bytes=body_memo_bytes)  # a chat's history is not JSON-decoded again
         self.background = background or BackgroundTokenizer(tokenizer)  # whole prompts after a head decision
         self._tasks: set[asyncio.Task] = set()  # sessions being recorded (the loop keeps only weak references)
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
@@ -255,7 +257,7 @@ class RoutingCore:
         if len(body) > lim.max_body_bytes:
             return _reject(413, f"request body of {len(body)} bytes exceeds the limit of {lim.max_body_bytes} bytes")
         try:
-            req = _json_decode(body)
+            req = self.bodies.decode(body)
         except msgspec.DecodeError as e:
             return _reject(400, f"request body is not valid JSON: {e}")
         except RecursionError:  # msgspec recurses per nesting level: a client's doing, not ours

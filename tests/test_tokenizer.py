@@ -48,6 +48,16 @@ def test_default_template_renders_deepseek_chat_form(pt: PromptTokenizer) -> Non
     assert pt.render_chat(messages, add_generation_prompt=False) == expected[: -len(ASSISTANT)]
 
 
+def test_default_template_outputs_each_content_as_the_string_it_was_given(pt: PromptTokenizer) -> None:
+    """A long content is a chunk of its own, the very object of the body (not copied behind its
+    marker): the chunk memo then knows it by identity."""
+    user, answer, tool = "u" * 5000, "a" * 5000, "t" * 5000
+    messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}, {"role": "tool", "content": tool}]
+    chunks = pt.template.render_chunks(messages)
+    assert all(any(c is text for c in chunks) for text in (user, answer, tool))
+    assert "".join(chunks) == f"{BOS}{USER}{user}{ASSISTANT}{answer}{EOS}<｜tool▁output▁begin｜>{tool}<｜tool▁output▁end｜>{ASSISTANT}"
+
+
 def test_content_parts_null_and_tool_messages(pt: PromptTokenizer) -> None:
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": "b"}]},

@@ -286,3 +286,23 @@ def test_literal_matcher_is_leftmost_longest(words: list[str], text: str, many_f
     if many_firsts:  # more distinct first characters than the str.find path handles: regex scan
         words = words + ["1", "2", "3", "4", "5"]
     assert _LiteralMatcher(words).find(text) == _naive_leftmost_longest(words, text)
+
+
+def test_short_texts_cuts_from_the_memo_equal_a_fresh_cut() -> None:
+    """``cuts`` keeps short whole texts' cuts: each answer equals the cut of a splitter with an
+    empty memo, and changing an answer changes no later one."""
+    splitter = load_and_split()
+    texts = ["<｜begin▁of▁sentence｜>You are brief.<｜User｜>", "<｜end▁of▁", "sentence｜>", "<｜end▁of▁sentence｜>" * 3, "x" * 512, "x" * 513]
+    for text in texts * 2:
+        first = splitter.cuts(text)
+        first.append((0, 0, 0))
+        splitter_fresh = load_and_split()
+        assert splitter.cuts(text) == splitter_fresh.cuts(text) == splitter_fresh._cuts(text, 0, len(text))
+    assert all(t in splitter._short for t in texts[:5]) and texts[5] not in splitter._short  # 513 characters: not kept
+    assert splitter.cuts("<｜User｜>") == [(0, len("<｜User｜>"), splitter.cuts("<｜User｜>")[0][2])]
+
+
+def load_and_split():
+    from tokenizer.segments import AddedTokenSplitter
+
+    return AddedTokenSplitter(load_tokenizer(None).tokenizer)

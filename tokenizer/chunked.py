@@ -127,8 +127,11 @@ class ChunkSplitter:
             layout = self._memo.get(key)
             if layout is not None:
                 self._memo.move_to_end(key)
-        if layout is not None and layout.text == chunk:  # equal text: a memcmp
+        if layout is not None and layout.text == chunk:  # the same object, or equal text: a memcmp
             self.hits += 1
+            # Keep the latest of equal texts: a chat's next turn brings this very object when its
+            # body's history was not decoded again (gateway.body_memo), and is then not compared.
+            layout.text = chunk
             return layout
         self.misses += 1
         bounds = self._boundaries(chunk)
