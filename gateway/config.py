@@ -140,6 +140,9 @@ class TokenizerConfig(_Section):
     chunk_memo_bytes: ByteSize = Field(
         64 * MiB, description="long chat messages met twice kept with their cut and token IDs (0: off; tokenizer/chunked.py)"
     )
+    body_memo_bytes: ByteSize = Field(
+        64 * MiB, description="long chat bodies kept with their decoded messages: a continuing chat JSON-decodes only what is new (0: off; gateway/body_memo.py)"
+    )
 
     @field_validator("chat_template")
     @classmethod

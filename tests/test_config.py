@@ -294,3 +294,37 @@ def test_kvgate_serve_freezes_its_start_up_heap_once_listening(tmp_path: Path):
         assert int(line.split("frozen: ")[1].split()[0]) > 20000, line
     finally:
         proc.stop()
+
+
+@pytest.mark.parametrize(("setting", "expected"), [("0", 0), ("2MiB", 2 << 20)])
+def test_the_configured_body_memo_bound_is_the_serving_cores(monkeypatch: pytest.MonkeyPatch, setting: str, expected: int):
+    """``tokenizer.body_memo_bytes`` reaches the routing core ``kvgate serve`` builds (0: every
+    body is decoded whole)."""
+    import asyncio
+
+    from gateway import serve_cmd
+    from tests.conftest import free_port
+
+    built: list = []
+
+    class Recorded(serve_cmd.RoutingCore):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(serve_cmd, "RoutingCore", Recorded)
+    cfg = load_config(listen_host="127.0.0.1", ext_proc_port=free_port(), admin_port=free_port(),
+                      directory={"url": "memory://"}, tokenizer={"body_memo_bytes": setting})  # fmt: skip
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_cmd.serve(cfg, stop=stop))
+        for _ in range(600):
+            if built or task.done():
+                break
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.wait_for(task, 60)
+
+    asyncio.run(run())
+    assert built and built[0].bodies.max_bytes == expected
