@@ -133,7 +133,6 @@ class ExtAuthzService:
     async def start(self, host: str, port: int, *, max_body_bytes: int) -> None:
         """Listen on exactly ``host:port``; returns once the socket is bound."""
         loop = asyncio.get_running_loop()
-        self._untrusted = UntrustedConnections(MAX_UNTRUSTED, _evict)
         self._server = await loop.create_server(lambda: _Connection(self, max_body_bytes), host, port)
         self._sweeper = loop.create_task(self._sweep())
 

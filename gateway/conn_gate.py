@@ -25,6 +25,9 @@ from aiohttp import web
 
 C = TypeVar("C", bound=Hashable)
 
+HEAD_TIMEOUT_S = 10.0  # a request head must arrive within this of opening or of the last answer (408)
+MAX_UNTRUSTED = 256  # untrusted connections held at once; the oldest is closed past it
+
 
 class UntrustedConnections(Generic[C]):
     """Untrusted connections in the order they opened; ``admit`` closes the oldest past ``cap``."""
@@ -119,7 +122,9 @@ class ConnectionGuard:
     ``on_close(reason)`` counts what the guard closed: ``"head_timeout"`` (answered 408) or
     ``"evicted"`` (the cap was reached). Add ``middleware`` to the application."""
 
-    def __init__(self, head_timeout_s: float, max_untrusted: int, on_close: Callable[[str], None]) -> None:
+    def __init__(
+        self, on_close: Callable[[str], None], *, head_timeout_s: float = HEAD_TIMEOUT_S, max_untrusted: int = MAX_UNTRUSTED
+    ) -> None:
         if head_timeout_s <= 0:
             raise ValueError("head_timeout_s must be positive")
         self.head_timeout_s = head_timeout_s

@@ -54,8 +54,6 @@ if TYPE_CHECKING:
     from gateway.tracing import Tracing
 
 
-ADMIN_HEAD_TIMEOUT_S = 10.0  # a request head must arrive within this of opening or of the last answer (408)
-ADMIN_MAX_CONNECTIONS = 256  # the oldest is closed past it
 log = logging.getLogger("kvgate.serve")
 
 
@@ -260,7 +258,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_
     )
     # probes and scrapes send a whole head at once: none needs more, and a flood of connections
     # must not use up the descriptors Envoy's connections and Redis need
-    admin_guard = ConnectionGuard(ADMIN_HEAD_TIMEOUT_S, ADMIN_MAX_CONNECTIONS, lambda why: CLOSED_CONNECTIONS.labels("admin", why).inc())
+    admin_guard = ConnectionGuard(lambda why: CLOSED_CONNECTIONS.labels("admin", why).inc())
     admin.middlewares.append(admin_guard.middleware)
     admin_runner = web.AppRunner(admin, access_log=None)
     try:

@@ -16,16 +16,13 @@ from aiohttp import web
 
 from gateway.conn_gate import ConnectionGuard
 
-HEAD_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 256
-
 
 class MetricsServer:
     """Serves the default Prometheus registry at ``/metrics``; ``start``, then ``aclose``."""
 
     def __init__(self) -> None:
         self.closed = {"head_timeout": 0, "evicted": 0}  # what the guard closed, by reason
-        self._guard = ConnectionGuard(HEAD_TIMEOUT_S, MAX_CONNECTIONS, self._count)
+        self._guard = ConnectionGuard(self._count)  # the admin port's bounds
         app = web.Application(middlewares=[self._guard.middleware])
         app.router.add_get("/metrics", self._metrics)
         self._runner = web.AppRunner(app, access_log=None)

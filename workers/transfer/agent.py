@@ -179,7 +179,7 @@ class TransferAgent:
         self._reaper: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-transfer")
-        self._guard = ConnectionGuard(HEAD_TIMEOUT_S, MAX_UNAUTHENTICATED, self._guard_closed)
+        self._guard = ConnectionGuard(self._guard_closed, head_timeout_s=HEAD_TIMEOUT_S, max_untrusted=MAX_UNAUTHENTICATED)
         backend.register(slots.base_address, slots.nbytes)
 
     # -- lifecycle -------------------------------------------------------------------------------
