@@ -13,6 +13,14 @@ port), whose own server waits for a request's head with no deadline but its keep
 (an hour by default) and accepts any number of connections: every connection is wrapped, and
 until its client proves itself it must send a request head within ``head_timeout_s`` of opening
 or of its last answer (else 408 and closed).
+
+A port on the request path (an engine's, the P/D sidecar's) takes ``whole_requests=True``: its
+connections are Envoy's pooled upstream connections, hundreds of them busy at once with
+generations that run for minutes. There a request's body must also arrive within the deadline,
+and a connection is not counted (never closed by the cap) while its request, received whole, is
+being served; once answered it waits for its next request as long as the server's keep-alive
+allows (Envoy's pool keeps an idle connection an hour, so closing it sooner races a request sent
+on it), counted again as the newest untrusted connection.
 """
 
 from __future__ import annotations
@@ -84,6 +92,7 @@ class GuardedConnection(asyncio.Protocol):
         self.since = 0.0  # opened, or last answered: the head deadline runs from here
         self.busy = False  # a request is being handled
         self.pending = False  # bytes of a request arrived since the last answer
+        self.answered = False  # at least one request was answered on it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -92,6 +101,8 @@ class GuardedConnection(asyncio.Protocol):
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self.pending and self.answered and self.guard.whole_requests:
+            self.since = asyncio.get_running_loop().time()  # a keep-alive's next request: its deadline starts now
         self.pending = True
         self.inner.data_received(data)
 
@@ -120,14 +131,20 @@ class ConnectionGuard:
     ``trust`` a connection once its client proved itself (nothing calls it: none is trusted).
 
     ``on_close(reason)`` counts what the guard closed: ``"head_timeout"`` (answered 408) or
-    ``"evicted"`` (the cap was reached). Add ``middleware`` to the application."""
+    ``"evicted"`` (the cap was reached). Add ``middleware`` to the application.
+
+    ``whole_requests``: a request's body too must arrive within the deadline, a connection whose
+    request arrived whole is not counted while it is served, and an answered connection idles as
+    long as the server lets it (see the module's docstring)."""
 
     def __init__(
-        self, on_close: Callable[[str], None], *, head_timeout_s: float = HEAD_TIMEOUT_S, max_untrusted: int = MAX_UNTRUSTED
-    ) -> None:
+        self, on_close: Callable[[str], None], *, head_timeout_s: float = HEAD_TIMEOUT_S, max_untrusted: int = MAX_UNTRUSTED,
+        whole_requests: bool = False,
+    ) -> None:  # fmt: skip
         if head_timeout_s <= 0:
             raise ValueError("head_timeout_s must be positive")
         self.head_timeout_s = head_timeout_s
+        self.whole_requests = whole_requests
         self._on_close = on_close
         self._untrusted: UntrustedConnections[GuardedConnection] = UntrustedConnections(max_untrusted, self._evict)
         self._by_inner: dict[Any, GuardedConnection] = {}
@@ -173,12 +190,17 @@ class ConnectionGuard:
         conn = self._by_inner.get(request.protocol)
         if conn is None:
             return await handler(request)
+        if self.whole_requests:
+            await request.read()  # under the deadline (the sweeper's 408); kept for the handler
+            self._untrusted.forget(conn)  # served: never closed by the cap
         conn.busy, conn.pending = True, False
         try:
             return await handler(request)
         finally:
-            conn.busy = False
+            conn.busy, conn.answered = False, True
             conn.since = asyncio.get_running_loop().time()
+            if self.whole_requests and self._by_inner.get(conn.inner) is conn and not _closing(conn):
+                self._untrusted.admit(conn)  # waiting for its next request: counted again, the newest
 
     async def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
@@ -186,8 +208,14 @@ class ConnectionGuard:
             await asyncio.sleep(min(1.0, self.head_timeout_s / 4))
             deadline = loop.time() - self.head_timeout_s
             for conn in self._untrusted:
-                if not conn.busy and conn.since < deadline:
+                if conn.busy or (self.whole_requests and conn.answered and not conn.pending):
+                    continue  # served, or idle between requests: the server's keep-alive decides
+                if conn.since < deadline:
                     self._untrusted.forget(conn)
                     if conn.pending:
                         self._on_close("head_timeout")
                     conn.close(TIMEOUT_ANSWER if conn.pending else b"")
+
+
+def _closing(conn: GuardedConnection) -> bool:
+    return conn.transport is None or conn.transport.is_closing()

@@ -9,6 +9,7 @@ import pytest
 
 from tests.redis_servers import RedisProcess
 from tests.support.http import eventually, get_json, post_json, request
+from gateway.envoy_config import KVGATE_HEADERS
 from tests.support.stack import Stack, chat, document, keys_of
 from tokenizer import PromptTokenizer
 
@@ -24,8 +25,13 @@ def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok
     try:
         history = chat(document("meadow"), "Describe it.")
         stack.seed("a", keys_of(tok, "/v1/chat/completions", history))
-        status, body = post_json(stack.url("/v1/chat/completions"), history)
+        # a client naming its node, a pull source or a prefill node (for a P/D sidecar to POST its
+        # request to): Envoy strips them before any filter, kvgate's answer or not
+        forged = {h: "169.254.169.254:80" for h in KVGATE_HEADERS}
+        status, body = post_json(stack.url("/v1/chat/completions"), history, headers=forged)
         assert (status, body["node"]) == (200, "a")
+        assert body["headers"]["x-gateway-destination-endpoint"] == stack.addr("a")
+        assert not {"x-kv-cache-source-host-port", "x-kv-cache-pull-blocks", "x-prefiller-host-port"} & set(body["headers"])
 
         stack.kvgate.kill()  # SIGKILL: no goodbye to Envoy
         served = []
@@ -33,9 +39,9 @@ def test_requests_flow_when_kvgate_is_killed(tmp_path, envoy_bin, redis_url, tok
         # node every time, even with one of three briefly out of its health checks (seen in CI
         # with 9: all on one node).
         for i in range(30):
-            status, body = post_json(stack.url("/v1/chat/completions"), chat(document("meadow"), f"Question {i}?"))
+            status, body = post_json(stack.url("/v1/chat/completions"), chat(document("meadow"), f"Question {i}?"), headers=forged)
             assert status == 200, body
-            assert "x-gateway-destination-endpoint" not in body["headers"]  # fallback route, not kvgate's
+            assert not set(KVGATE_HEADERS) & set(body["headers"])  # fallback route, and nothing the client forged
             served.append(body["node"])
         assert len(set(served)) >= 2  # the fallback balances over the fleet
     finally:

@@ -62,14 +62,14 @@ def fleet(tmp_path_factory):
         port = free_port()
         procs.append(python_module(
             "pd-sidecar", "gateway.cli",
-            ["pd-sidecar", "--port", str(port), "--engine", f"http://{nodes['decode']}", "--prefill-timeout-s", "1.0"],
+            ["pd-sidecar", "--port", str(port), "--engine", f"http://{nodes['decode']}", "--prefill-timeout-s", "1.0", "--any-prefiller"],
             tmp,
         ))  # fmt: skip
         wait_for_port(port, proc=procs[-1].popen, timeout_s=30)
         nodes["sidecar"], nodes["sidecar_pid"] = f"127.0.0.1:{port}", str(procs[-1].popen.pid)
         echoing = free_port()  # a sidecar in front of the echo node: says what reached the engine
         procs.append(python_module(
-            "pd-sidecar-echoing", "gateway.cli", ["pd-sidecar", "--port", str(echoing), "--engine", f"http://{nodes['plain']}"], tmp,
+            "pd-sidecar-echoing", "gateway.cli", ["pd-sidecar", "--port", str(echoing), "--engine", f"http://{nodes['plain']}", "--any-prefiller"], tmp,
         ))  # fmt: skip
         wait_for_port(echoing, proc=procs[-1].popen, timeout_s=30)
         nodes["echoing"] = f"127.0.0.1:{echoing}"
@@ -201,3 +201,33 @@ def test_a_request_body_nested_too_deep_for_the_sidecar_is_the_engines_to_answer
     status, _, raw = request(f"http://{fleet['echoing']}/v1/completions", method="POST", body=deep, headers=headers, timeout=30)
     assert status == 200, raw[:200]
     assert json.loads(raw)["body_len"] == len(deep)
+
+
+@pytest.mark.parametrize("spelling", ["{node}/stolen#", "user@{node}", "{node}/stolen?"])
+def test_a_header_naming_more_than_a_host_and_port_is_never_called(fleet, spelling: str) -> None:
+    """A client reaching the sidecar's port past Envoy (which strips the header) sends
+    ``x-prefiller-host-port: <host:port>/stolen#``. Before: with ``--any-prefiller`` (before, the
+    default) the sidecar POSTed the client's request to ``http://<host:port>/stolen#/v1/completions``,
+    a path of the client's choice on a host of its choice. Now only a plain ``host:port`` is ever
+    called: the request is served whole here and ``untrusted_prefiller`` is counted."""
+    plain = fleet["plain"]
+    before = sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "untrusted_prefiller")
+    headers = {"content-type": "application/json", "x-prefiller-host-port": spelling.format(node=plain)}
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}).encode()
+    status, _, _ = request(f"http://{fleet['sidecar']}/v1/completions", method="POST", body=body, headers=headers, timeout=30)
+    seen = [r["path"] for r in get_json(f"http://{plain}/_stats")[1]["seen"]]
+    assert status == 200
+    assert "/stolen" not in seen, f"the sidecar called {seen[-1]!r} on the named host"
+    assert sidecar_metric(fleet, "kvgate_pd_sidecar_fallbacks", "untrusted_prefiller") == before + 1
+
+
+def test_a_sidecar_is_told_which_prefill_nodes_it_may_call(tmp_path) -> None:
+    """Before: without ``--prefiller`` the sidecar called whatever host the header named. Now it
+    refuses to start until the fleet's prefill nodes are named (or ``--any-prefiller`` says so)."""
+    import subprocess
+    import sys
+
+    for extra, says in (([], "--prefiller HOST:PORT"), (["--prefiller", "10.0.0.1:8000/x"], "must be HOST:PORT")):
+        done = subprocess.run([sys.executable, "-m", "gateway.cli", "pd-sidecar", "--port", str(free_port()),
+                               "--engine", "http://127.0.0.1:1", *extra], capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert done.returncode != 0 and says in done.stderr, (done.returncode, done.stderr[-300:])

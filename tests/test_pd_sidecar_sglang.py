@@ -73,7 +73,7 @@ def sglang(tmp_path_factory):
     proc: Proc = python_module(
         "pd-sidecar-sglang", "gateway.cli",
         ["pd-sidecar", "--port", str(port), "--engine", f"http://{nodes['decode'].address}", "--protocol", "sglang",
-         "--bootstrap-port", str(BOOTSTRAP_PORT)],
+         "--bootstrap-port", str(BOOTSTRAP_PORT), "--any-prefiller"],
         tmp,
     )  # fmt: skip
     try:

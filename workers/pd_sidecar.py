@@ -14,7 +14,9 @@ to the local decode-mode engine at the same time, and the two meet in that room 
 
 Faults never reach the client (nixl): a prefill node that errs, times out, answers without transfer
 parameters or is not in ``--prefiller`` (when given) leaves the request as it came, served whole
-on the local engine, and ``kvgate_pd_sidecar_fallbacks_total{reason}`` counts it. The sidecar's
+on the local engine, and ``kvgate_pd_sidecar_fallbacks_total{reason}`` counts it. The prefill nodes
+it may call are said at start (``--prefiller``, or ``--any-prefiller`` explicitly): a client
+reaching the port past Envoy (which strips the header) must not pick a host to receive its request. The sidecar's
 own metrics are at ``/pd-sidecar/metrics``; every other path is the engine's.
 """
 
@@ -24,13 +26,16 @@ import argparse
 import asyncio
 import json
 import logging
+import re
 import secrets
+import signal
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from gateway.conn_gate import ConnectionGuard
 from gateway.envoy_config import PREFILLER_HEADER
 
 log = logging.getLogger("kvgate.pd_sidecar")
@@ -46,6 +51,12 @@ class SidecarMetrics:
         self.split = Counter(
             "kvgate_pd_sidecar_split", "Requests prefilled on a prefill node, then decoded here", registry=self.registry
         )
+        self.closed_connections = Counter(
+            "kvgate_pd_sidecar_closed_connections",
+            "Connections the sidecar closed before a request arrived whole, by why (head_timeout: 408; evicted: past 256 waiting)",
+            ["reason"],
+            registry=self.registry,
+        )
         self.fallbacks = Counter(
             "kvgate_pd_sidecar_fallbacks",
             "Split requests served whole here instead, by why (prefill_error, prefill_timeout, no_transfer_params, untrusted_prefiller)",
@@ -56,6 +67,8 @@ class SidecarMetrics:
 
 PROTOCOLS = ("nixl", "sglang")
 DEFAULT_BOOTSTRAP_PORT = 8998  # SGLang's --disaggregation-bootstrap-port default
+# what x-prefiller-host-port may be: a host name, an IPv4 address or a bracketed IPv6 one, and a port
+HOST_PORT = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]{0,251}[A-Za-z0-9])?|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
 MAX_PREFILL_ANSWER_BYTES = 1 << 20  # a prefill's answer (one token, kv_transfer_params) is ~1 KiB
 
 
@@ -98,6 +111,10 @@ class Sidecar:
         self.bootstrap_port = bootstrap_port
         self._prefills: set[asyncio.Task[None]] = set()  # SGLang prefill calls in flight
         self.metrics = SidecarMetrics()
+        # a request (head and body) within 10 s, at most 256 connections waiting for one: a client
+        # trickling heads no longer holds the port's descriptors (Envoy's requests in progress are
+        # never closed for it)
+        self.guard = ConnectionGuard(lambda why: self.metrics.closed_connections.labels(why).inc(), whole_requests=True)
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -110,11 +127,18 @@ class Sidecar:
         if self._session is not None:
             await self._session.close()
 
+    def callable_prefiller(self, prefiller: str) -> bool:
+        """The header names a node this sidecar may call: in ``--prefiller`` when given, and always a
+        plain ``host:port`` (no path, user or query a URL built from it would take); else counted."""
+        if (self.prefillers and prefiller not in self.prefillers) or not HOST_PORT.fullmatch(prefiller):
+            log.warning("x-prefiller-host-port %r is not a prefiller this sidecar may call", prefiller[:200])
+            self.metrics.fallbacks.labels("untrusted_prefiller").inc()
+            return False
+        return True
+
     async def prefill(self, prefiller: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any] | None:
         """The prefill node's ``kv_transfer_params`` for ``body``, or None (counted) to serve it whole."""
-        if self.prefillers and prefiller not in self.prefillers:
-            log.warning("x-prefiller-host-port %r is not a configured prefiller: serving whole", prefiller)
-            self.metrics.fallbacks.labels("untrusted_prefiller").inc()
+        if not self.callable_prefiller(prefiller):
             return None
         ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
         ask.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
@@ -169,9 +193,7 @@ class Sidecar:
         prefill node's is read and dropped. A decode-mode engine cannot compute a prompt itself,
         so there is no whole-request fallback: a failed prefill is counted, and the engine's own
         bootstrap timeout ends the request."""
-        if self.prefillers and prefiller not in self.prefillers:
-            log.warning("x-prefiller-host-port %r is not a configured prefiller: passed on without bootstrap", prefiller)
-            self.metrics.fallbacks.labels("untrusted_prefiller").inc()
+        if not self.callable_prefiller(prefiller):  # passed on without bootstrap
             return await self.forward(request, json.dumps(body).encode(), headers)
         split = {**body, **sglang_bootstrap(prefiller, self.bootstrap_port)}
         raw = json.dumps(split).encode()
@@ -225,7 +247,7 @@ class Sidecar:
         return web.Response(body=generate_latest(self.metrics.registry), content_type="text/plain", charset="utf-8")
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self.guard.middleware])
 
         async def lifecycle(app: web.Application) -> Any:
             yield
@@ -252,18 +274,47 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefiller", action="append", default=[], metavar="HOST:PORT",
-        help="a prefill node this sidecar may call (repeat); default: whatever x-prefiller-host-port names",
+        help="a prefill node this sidecar may call (repeat): the fleet's prefill nodes",
+    )
+    parser.add_argument(
+        "--any-prefiller", action="store_true",
+        help="call whatever x-prefiller-host-port names instead (only where nothing but the gateway's Envoy reaches this port)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     if not args.prefill_timeout_s > 0:
         raise SystemExit("--prefill-timeout-s must be positive")
+    if not args.prefiller and not args.any_prefiller:
+        # a client reaching this port past Envoy (which strips the header) would name any host
+        # for the sidecar to POST its request to: the fleet's prefill nodes must be said
+        raise SystemExit("kvgate pd-sidecar: name the fleet's prefill nodes with --prefiller HOST:PORT (repeat), "
+                         "or pass --any-prefiller where only the gateway's Envoy reaches this port")  # fmt: skip
+    if args.prefiller and args.any_prefiller:
+        raise SystemExit("kvgate pd-sidecar: --prefiller and --any-prefiller exclude each other")
+    bad = [p for p in args.prefiller if not HOST_PORT.fullmatch(p)]
+    if bad:
+        raise SystemExit(f"kvgate pd-sidecar: --prefiller must be HOST:PORT, got {bad[0]!r}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if not args.prefiller:
-        log.warning("no --prefiller given: any x-prefiller-host-port is called; only the gateway may reach this port")
+    if args.any_prefiller:
+        log.warning("--any-prefiller: any x-prefiller-host-port is called; only the gateway may reach this port")
     sidecar = Sidecar(args.engine, prefill_timeout_s=args.prefill_timeout_s, prefillers=frozenset(args.prefiller),
                       protocol=args.protocol, bootstrap_port=args.bootstrap_port)
-    print(f"kvgate pd-sidecar on {args.host}:{args.port} -> {args.engine}", flush=True)
-    web.run_app(sidecar.app(), host=args.host, port=args.port, print=None)
+    asyncio.run(_serve(sidecar, args.host, args.port, args.engine))
     return 0
+
+
+async def _serve(sidecar: Sidecar, host: str, port: int, engine: str) -> None:
+    """Serves until SIGINT/SIGTERM, through the sidecar's connection guard."""
+    runner = web.AppRunner(sidecar.app(), access_log=None)
+    await runner.setup()
+    try:
+        await sidecar.guard.listen(runner, host, port)
+        print(f"kvgate pd-sidecar on {host}:{port} -> {engine}", flush=True)
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await sidecar.guard.close()
+        await runner.cleanup()

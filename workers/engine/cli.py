@@ -10,6 +10,7 @@ import sys
 
 from aiohttp import web
 
+from gateway.conn_gate import ConnectionGuard
 from gateway.profile import load_profile
 from workers.engine.openai_api import DEFAULT_MAX_TOKENS
 from workers.transfer.backend import BACKENDS, TransferError
@@ -149,11 +150,15 @@ async def _serve(args: argparse.Namespace) -> None:
             buffer_batches=args.replay_buffer, connect=args.events_connect,
         )  # fmt: skip
     engine = Engine(config, tokenizer, events)
-    runner = web.AppRunner(create_app(engine), handler_cancellation=True, access_log=None)
+    # a request (head and body) within 10 s, at most 256 connections waiting for one, requests in
+    # progress never closed for it: a client trickling heads cannot use up the port's descriptors
+    guard = ConnectionGuard(lambda why: engine.metrics.closed_connections.labels(why).inc(), whole_requests=True)
+    app = create_app(engine)
+    app.middlewares.insert(0, guard.middleware)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
+        await guard.listen(runner, args.host, args.port)
         ev = f" kv-events {events.endpoint}" if events else ""
         if engine.transfer is not None:
             ev += f" transfer {engine.transfer.endpoint} ({config.transfer_backend}, link {config.transfer_link})"
@@ -168,6 +173,7 @@ async def _serve(args: argparse.Namespace) -> None:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
     finally:
+        await guard.close()
         await runner.cleanup()
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -92,6 +92,12 @@ class EngineMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         ).labels(model)
+        self.closed_connections = Counter(  # the HTTP port's guard (``kvgate worker``)
+            "kvgate_engine_closed_connections",
+            "Connections closed before a request arrived whole, by why (head_timeout: 408; evicted: past 256 waiting)",
+            ["reason"],
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
