@@ -22,7 +22,7 @@ from workers.kv_events import (
     KVEventDecodeError,
     KVEventPublisher,
     _decode_tolerant,
-    _decode_typed,
+    _typed_events,
     _event_to_wire,
     decode_batch,
     decode_seq,
@@ -385,11 +385,11 @@ def test_typed_decoding_reads_exactly_what_the_tolerant_decoder_reads(raw_events
     read a batch otherwise than the field-by-field decoder, nor accept one that decoder rejects
     an event of."""
     payload = pack([1 if ts_int else 1.5, raw_events] + ([] if rank is None else [rank]))
-    typed = _decode_typed(payload)
+    typed = _typed_events(pack(raw_events))
     tolerant = _decode_tolerant(payload)
     if typed is not None:
-        assert typed == tolerant and typed.rejected == ()
-    assert decode_batch(payload) == (typed if typed is not None else tolerant)
+        assert typed == tolerant.events and tolerant.rejected == ()
+    assert decode_batch(payload) == tolerant
 
 
 def test_typed_decoding_takes_the_common_batches() -> None:
@@ -400,13 +400,13 @@ def test_typed_decoding_takes_the_common_batches() -> None:
         AllBlocksCleared(),
     ]
     for wire_format in ("map", "array"):
-        typed = _decode_typed(encode_batch(evs, ts=2.0, wire_format=wire_format))  # type: ignore[arg-type]
+        typed = _typed_events(pack(msgspec.msgpack.decode(encode_batch(evs, ts=2.0, wire_format=wire_format))[1]))  # type: ignore[arg-type]
         assert typed is not None
-        stored, removed, cleared = typed.events
+        stored, removed, cleared = typed
         assert stored.block_hashes == [1, 2**64 - 2] and stored.parent_block_hash == 2**64 - 3
         assert removed.block_hashes == [2**64 - 5] and isinstance(cleared, AllBlocksCleared)
     bool_token = pack([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [True] * 16, "block_size": 16}]])
-    assert _decode_typed(bool_token) is None and decode_batch(bool_token).rejected
+    assert _typed_events(pack(msgspec.msgpack.decode(bool_token)[1])) is None and decode_batch(bool_token).rejected
 
 
 # ---------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ from workers.kv_events import (
     BlockStored,
     KVEvent,
     KVEventDecodeError,
-    decode_batch,
+    decode_batch_steps,
     decode_seq,
     encode_seq,
 )
@@ -1232,7 +1232,7 @@ class KVEventBridge:
             self._reset(st, "malformed")
             return
         try:
-            batch = decode_batch(payload)
+            batch = yield from decode_batch_steps(payload)  # pauses between slices of its events too
         except KVEventDecodeError as exc:
             log.warning("node %s: skipping malformed batch seq %d: %s; clearing the node", node, seq, exc)
             self._count_malformed(st)
