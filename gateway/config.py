@@ -207,6 +207,11 @@ class NodeConfig(_Section):
         description="with `events_collector`: the topic its engine publishes under; "
         "default kv@<address>@<model> or kv@<host>@<model>",
     )
+    events_sources: list[str] = Field(
+        default_factory=list,
+        description="with `events_collector`: further IPs or host names its engine may publish from (a multi-homed "
+        "engine); messages under its topic are otherwise taken only from its address's host",
+    )
     capacity_blocks: int = Field(
         0, ge=0, description="its KV cache size in blocks (vLLM's 'KV cache size' tokens ÷ block size); prices memory; "
         "0 = read from the engine's /metrics by the node's bridge (vLLM cache_config_info, SGLang max_total_num_tokens)"
@@ -224,6 +229,14 @@ class NodeConfig(_Section):
     @classmethod
     def _transfer(cls, value: str) -> str:
         return check_host_port(value) if value else value
+
+    @field_validator("events_sources")
+    @classmethod
+    def _sources(cls, value: list[str]) -> list[str]:
+        bad = [v for v in value if not _is_host(v.strip("[]"))]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is neither an IP address nor a host name (no port: the engine's own address)")
+        return value
 
     @field_validator("events_endpoint", "replay_endpoint")
     @classmethod

@@ -120,7 +120,7 @@ def embedded_bridges(cfg: KvgateConfig, directory) -> list:
         EngineSpec(
             node_id=n.node_id, address=n.address, events=COLLECTOR, replay=n.replay_endpoint or None,
             transfer=n.transfer_endpoint, topic=n.events_topic, model=cfg.node_model(n), role=n.role,
-            capacity=n.capacity_blocks,
+            capacity=n.capacity_blocks, sources=tuple(n.events_sources),
         )
         for n in cfg.fleet
         if cfg.events_collector and not n.events_endpoint

@@ -328,3 +328,14 @@ def test_the_configured_body_memo_bound_is_the_serving_cores(monkeypatch: pytest
 
     asyncio.run(run())
     assert built and built[0].bodies.max_bytes == expected
+
+
+def test_a_nodes_events_sources_are_host_addresses():
+    node = {"node_id": "a", "address": "10.0.0.1:8000"}
+    assert load_config(fleet=[{**node, "events_sources": ["10.0.1.1", "engine-a.eth1", "[fd00::1]"]}]).fleet[0].events_sources
+    for bad in ("10.0.1.1:5557", "tcp://10.0.1.1", "not a host"):
+        assert "events_sources" in errors_of(fleet=[{**node, "events_sources": [bad]}])
+    from workers.bridge import parse_engine_spec  # kvgate bridge --engine ...
+
+    spec = parse_engine_spec("node_id=a,address=10.0.0.1:8000,events=collector,sources=10.0.1.5;10.0.2.5")
+    assert spec.sources == ("10.0.1.5", "10.0.2.5")

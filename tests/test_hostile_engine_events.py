@@ -234,3 +234,55 @@ async def test_an_event_over_the_size_an_event_may_take_is_dropped_and_counted(r
     finally:
         eng.pub.close()
         await directory.aclose()
+
+
+async def test_a_multi_homed_engine_is_heard_from_the_addresses_its_node_lists(redis_url: str, key_prefix: str, node_id: str) -> None:
+    """An engine serving on 127.0.0.1 publishes to the collector from another interface's address
+    (127.0.0.2). Before: its events were dropped as a stranger's, with no way to say otherwise.
+    Now the node's ``events_sources: [127.0.0.2]`` (config → ``kvgate serve``'s collector bridge)
+    lets them in, and a sender at any other address (127.0.0.3) is still dropped and counted."""
+    import asyncio
+
+    import zmq
+    from prometheus_client import REGISTRY
+
+    from directory_client.types import NodeInfo
+    from gateway.config import load_config
+    from gateway.serve_cmd import embedded_bridges
+    from tests.conftest import free_port
+    from tests.test_bridge import MODEL
+    from workers.kv_events import KVEventPublisher, encode_batch, encode_seq
+
+    directory = open_directory(redis_url, key_prefix=key_prefix, heartbeat_ttl_s=5.0, index_stride=1)
+    port = free_port()
+    address = f"127.0.0.1:{free_port()}"
+    topic = f"kv@{address}@{MODEL}"
+    cfg = load_config(fleet=[{"node_id": node_id, "address": address, "events_sources": ["127.0.0.2"]}], models=[MODEL],
+                      events_collector=f"tcp://127.0.0.1:{port}", block_size=16)  # fmt: skip
+    (bridge,) = embedded_bridges(cfg, directory)
+    engine = KVEventPublisher(f"tcp://127.0.0.2:0;127.0.0.1:{port}", connect=True, topic=topic)  # from its other interface
+    stranger = zmq.Context.instance().socket(zmq.PUB)
+    stranger.connect(f"tcp://127.0.0.3:0;127.0.0.1:{port}")
+    history, forged = tokens(0, 2), tokens(5000, 2)
+    await directory.register_node(NodeInfo(node_id, address, model=MODEL))
+    foreign_before = REGISTRY.get_sample_value("kvgate_bridge_foreign_messages_total", {"node": node_id}) or 0.0
+    await bridge.start()
+    try:
+        for _ in range(100):
+            if bridge.stats(node_id).next_seq is not None:
+                break
+            engine.publish([])
+            await asyncio.sleep(0.05)
+        engine.publish([stored([1, 2], history)])
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(history)), 2), what="the multi-homed engine's blocks")
+        for _ in range(20):
+            stranger.send_multipart([topic.encode(), encode_seq(engine.next_seq), encode_batch([stored([70, 71], forged)])])
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        assert await held(directory, node_id, keys_of(forged)) == 0, "a stranger's claim was recorded"
+        assert (REGISTRY.get_sample_value("kvgate_bridge_foreign_messages_total", {"node": node_id}) or 0.0) > foreign_before
+    finally:
+        await bridge.aclose(deregister=False)
+        engine.close()
+        stranger.close(0)
+        await directory.aclose()

@@ -215,6 +215,7 @@ class EngineSpec:
     topic: str = ""  # subscribe: topic prefix ("" = all); collector: the exact topic (see above)
     model: str = ""  # the base model it serves ("" = the bridge's)
     role: NodeRole = "both"  # prefill, decode or both (disaggregated serving)
+    sources: tuple[str, ...] = ()  # collector: further hosts its engine may publish from (multi-homed)
 
     @property
     def collected(self) -> bool:
@@ -238,11 +239,11 @@ class EngineSpec:
         return [f"kv@{self.address}@{model}", f"kv@{host}@{model}"]
 
 
-_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic", "model"}
+_SPEC_KEYS = {"node_id", "address", "events", "replay", "transfer", "capacity", "topic", "model", "sources"}
 
 
 def parse_engine_spec(text: str) -> EngineSpec:
-    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557|collector[,replay=…][,transfer=…][,capacity=N][,topic=…][,model=…]``."""
+    """``node_id=n1,address=127.0.0.1:8001,events=tcp://…:5557|collector[,replay=…][,transfer=…][,capacity=N][,topic=…][,model=…][,sources=ip;ip…]``."""
     values: dict[str, str] = {}
     for part in text.split(","):
         part = part.strip()
@@ -278,6 +279,7 @@ def parse_engine_spec(text: str) -> EngineSpec:
         capacity=capacity,
         topic=values.get("topic", ""),
         model=values.get("model", ""),
+        sources=tuple(s.strip() for s in values.get("sources", "").split(";") if s.strip()),
     )
 
 
@@ -1032,13 +1034,14 @@ class KVEventBridge:
     async def _from_its_host(self, st: _Stream, frame: zmq.Frame) -> bool:
         """Whether a collector message under ``st``'s topic came from the node's host (else counted)."""
         ip = sender_ip(frame)
-        if ip is None or await self._hosts.allows(st.spec.address, ip):
+        if ip is None or await self._hosts.allows(st.spec.address, ip, st.spec.sources):
             return True
         FOREIGN.labels(st.spec.node_id).inc()
         if len(self._foreign_seen) < 64 and (st.spec.node_id, ip) not in self._foreign_seen:
             self._foreign_seen.add((st.spec.node_id, ip))
-            log.warning("collector: dropping messages under node %s's topic from %s, not the node's host %s",
-                        st.spec.node_id, ip, st.spec.address)  # fmt: skip
+            log.warning("collector: dropping messages under node %s's topic from %s, not the node's host %s "
+                        "(a multi-homed engine: list its other addresses in the node's events_sources)",
+                        st.spec.node_id, ip, ", ".join((st.spec.address, *st.spec.sources)))  # fmt: skip
         return False
 
     async def _on_message(self, st: _Stream, frames: list[bytes]) -> None:

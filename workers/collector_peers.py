@@ -5,7 +5,8 @@ topic names its node. Anyone reaching that port could otherwise publish under an
 claim the node holds prompts it never saw (steering traffic to it), or take the engine's next
 sequence number so that its real batch looks like a restart and clears the node. An engine
 connects from the host it serves on (the node's ``address``), so a message is accepted for a node
-only when its sender's IP is one that host resolves to.
+only when its sender's IP is one that host resolves to, or one of the node's ``events_sources``
+(an engine publishing from another interface's address than it serves on) resolves to.
 """
 
 from __future__ import annotations
@@ -56,8 +57,14 @@ class NodeHosts:
     def __init__(self) -> None:
         self._ips: dict[str, tuple[frozenset[str], float]] = {}  # host -> (its IPs, when resolved)
 
-    async def allows(self, address: str, ip: str) -> bool:
-        host = host_of(address)
+    async def allows(self, address: str, ip: str, sources: tuple[str, ...] = ()) -> bool:
+        """``ip`` is one the host of ``address`` or one of ``sources`` (hosts) resolves to."""
+        for host in (host_of(address), *(s.strip("[]") for s in sources)):
+            if await self._host_allows(host, ip):
+                return True
+        return False
+
+    async def _host_allows(self, host: str, ip: str) -> bool:
         known = self._ips.get(host)
         if known is not None and (ip in known[0] or time.monotonic() - known[1] < RESOLVE_EVERY_S):
             return ip in known[0]
