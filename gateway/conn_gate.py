@@ -191,7 +191,10 @@ class ConnectionGuard:
         if conn is None:
             return await handler(request)
         if self.whole_requests:
-            await request.read()  # under the deadline (the sweeper's 408); kept for the handler
+            try:
+                await request.read()  # under the deadline (the sweeper's 408); kept for the handler
+            except ConnectionError:  # closed meanwhile (by the sweeper, or its client): nothing to answer
+                return web.Response(status=408)
             self._untrusted.forget(conn)  # served: never closed by the cap
         conn.busy, conn.pending = True, False
         try:

@@ -49,14 +49,18 @@ def _flood(port: int, n: int) -> list[socket.socket]:
     return held
 
 
-def _trickle(port: int, out: dict[str, object]) -> None:
-    """A head sent a byte every 0.25 s for at most 25 s; ``out``: what came back, after how long."""
+def _trickle(port: int, out: dict[str, object], body: bool = False) -> None:
+    """A head (or, with ``body``, a whole head and then its body) sent a byte every 0.25 s for at
+    most 25 s; ``out``: what came back, after how long."""
     c = socket.create_connection(("127.0.0.1", port))
     c.settimeout(0.25)
     t0 = time.monotonic()
-    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 1000
+    slow = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 1000
+    if body:
+        c.send(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n")
+        slow = b'{"prompt": "' + b"a" * 99_000
     try:
-        for byte in head:
+        for byte in slow:
             if time.monotonic() - t0 > 25:
                 break
             try:
@@ -99,10 +103,10 @@ def _server(kind: str, tmp_path, port: int, procs: list[Proc]) -> tuple[str, str
 @pytest.mark.parametrize("kind", ["sidecar", "engine"])
 def test_trickled_heads_and_a_flood_of_half_heads_never_keep_envoys_requests_out(tmp_path, kind: str) -> None:
     """A generation is in progress; 1,000 connections each send half a head; one more trickles its
-    head a byte every 0.25 s. Before: the server held every connection it could accept, ran out of
+    head a byte every 0.25 s, another a body after a whole head. Before: the server held every connection it could accept, ran out of
     descriptors and a new request was never answered; the trickled head was still open after 25 s.
     Now: at most 256 of the half-heads are held, a new request is answered at once, the one in
-    progress completes, and the trickled head is answered 408 after the 10 s deadline."""
+    progress completes, and the trickled head and body are answered 408 after the 10 s deadline."""
     port = free_port()
     procs: list[Proc] = []
     held: list[socket.socket] = []
@@ -126,6 +130,9 @@ def test_trickled_heads_and_a_flood_of_half_heads_never_keep_envoys_requests_out
         trickled: dict[str, object] = {}
         trickler = threading.Thread(target=_trickle, args=(port, trickled))
         trickler.start()
+        trickled_body: dict[str, object] = {}
+        body_trickler = threading.Thread(target=_trickle, args=(port, trickled_body, True))
+        body_trickler.start()
         t0 = time.monotonic()
         try:
             status = request(metrics, timeout=5)[0]
@@ -135,14 +142,18 @@ def test_trickled_heads_and_a_flood_of_half_heads_never_keep_envoys_requests_out
         sockets = _open_sockets(procs[-1].popen.pid)
         generation.join(60)
         trickler.join(30)
+        body_trickler.join(30)
         print(f"\n{kind}: a new request {status} in {took:.2f} s with 1,000 half-heads; sockets held {sockets}; "
               f"the request in progress: {in_progress.get('status')}; trickled head: {trickled.get('answer', b'')[:12]!r} "
-              f"after {trickled.get('after', 0):.1f} s")  # fmt: skip
+              f"after {trickled.get('after', 0):.1f} s; trickled body: {trickled_body.get('answer', b'')[:12]!r} "
+              f"after {trickled_body.get('after', 0):.1f} s")  # fmt: skip
         assert status == 200 and took < 2.0, f"a new request got {status} after {took:.1f} s"
         assert sockets < 256 + 32, f"{sockets} sockets held"
         assert in_progress.get("status") == 200, f"the request in progress got {in_progress.get('status')}"
         answer = trickled.get("answer", b"")
         assert isinstance(answer, bytes) and answer.startswith(b"HTTP/1.1 408"), f"trickled head: {answer[:40]!r}"
+        answer = trickled_body.get("answer", b"")  # a whole head, then a body trickled: the same deadline
+        assert isinstance(answer, bytes) and answer.startswith(b"HTTP/1.1 408"), f"trickled body: {answer[:40]!r}"
         assert _counter(metrics, counter, "head_timeout") >= 1 and _counter(metrics, counter, "evicted") >= 500
         assert procs[-1].alive()
     finally:
