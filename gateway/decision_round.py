@@ -233,6 +233,6 @@ def decide_round(
     if decision.prefill is not None and arrivals is not None:  # on its way: later decisions must not block it
         entry = arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
     elif splits:  # served whole: its answer's KV is read by every step there (gateway.policy.answering)
-        policy.answering.add(node.node_id, now + ttft_s, now + service_s, n, answer_tokens)
+        policy.answering.add(node.node_id, now + ttft_s, now + service_s, n, answer_tokens, keep=profile.max_num_seqs)
     shared = PendingArrivals.for_directory(entry, now) if entry is not None else None
     return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s, answers, entry, shared)

@@ -147,3 +147,39 @@ def test_splits_that_have_landed_and_are_answering_do_not_let_a_split_past_the_t
     rnd = decide_round(policy, request(16_000), view, PROFILE, now=10.0, answer_tokens=1024)
     assert rnd.decision.prefill is None, rnd.decision.reason
     assert "delays splits arriving or answering here" in rnd.decision.reason  # still paid in the ranking
+
+
+def test_a_flood_of_splits_never_makes_each_decision_read_more_than_a_node_can_hold() -> None:
+    """A client sends 100 requests a second asking 8,192 tokens each (then hangs up: estimates
+    stand until their end, minutes later). Before: the replica's ledgers kept every split's
+    arrival and every whole answer until its estimated end, and each decision read them all: after
+    6,000 requests 3,000 arrivals were held on one node and ~600 answers on each, and a decision
+    took 0.92 ms on average (0.46 now); the cost grows with the rate times the estimates, ~4 ms a
+    decision once ~4,000 of each were held. Now a node keeps the 64 arrivals ending last (the
+    directory's own rule) and at most its engine's ``max_num_seqs`` answers, all it decodes at once."""
+    import time
+
+    from directory_client.types import MAX_ARRIVALS_PER_NODE
+
+    fleet = DirectoryView(tuple([node(1, "prefill"), node(2, "prefill")] + [node(i, "decode", inflight=4) for i in range(3, 9)]))
+    policy = warmed(make_policy("kvgate", link="rdma"))
+    now, t0 = 0.0, time.perf_counter()
+    for k in range(6000):
+        prompt = 16_000 if k % 2 else 2_000
+        decide_round(policy, request(prompt), fleet, PROFILE, now=now, answer_tokens=8192)
+        now += 0.01
+    took = (time.perf_counter() - t0) / 6000
+    arrivals = {nv.node.node_id: len(policy.pending_arrivals.arrivals(nv.node.node_id)) for nv in fleet.nodes}
+    answers = {n: len(rows) for n, rows in policy.answering._by_node.items()}
+    print(f"\n6,000 requests at 100/s: {took * 1e6:.0f} us a decision; arrivals held {arrivals}; answers held {answers}")
+    assert sum(arrivals.values()) > 0 and max(arrivals.values()) <= MAX_ARRIVALS_PER_NODE
+    assert sum(answers.values()) > 0 and max(answers.values()) <= PROFILE.max_num_seqs
+
+
+def test_a_node_keeps_the_arrivals_ending_last_as_the_directory_does() -> None:
+    from directory_client.types import MAX_ARRIVALS_PER_NODE
+
+    arrivals = PendingArrivals()
+    entries = [arrivals.add("d2", at=1.0, blocks=1, until=2.0 + (i * 37 % 100)) for i in range(100)]
+    kept = arrivals.arrivals("d2")
+    assert sorted(a.until for a in kept) == sorted(a.until for a in entries)[-MAX_ARRIVALS_PER_NODE:]

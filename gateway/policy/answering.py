@@ -12,7 +12,9 @@ estimates, 13-15 ms after the same documents on 8 aggregated nodes.
 ``AnsweringContexts`` is the replica's ledger of those answers (like ``PendingArrivals``, one per
 replica). Each entry is a node, when the answer's first token is estimated, when its last, its
 prompt and its answer budget; while it answers, its context grows from the prompt by the budget
-over that span. It is dropped at its estimated end.
+over that span. It is dropped at its estimated end. A node keeps the ``keep`` answers ending last
+(its engine's ``max_num_seqs``: it decodes no more at once): every decision reads them all, and
+estimates held for minutes must not make each decision slower with the request rate.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ class AnsweringContexts:
     def __init__(self) -> None:
         self._by_node: dict[str, list[Answer]] = {}
 
-    def add(self, node_id: str, start: float, until: float, prompt_tokens: int, answer_tokens: int) -> None:
+    def add(self, node_id: str, start: float, until: float, prompt_tokens: int, answer_tokens: int, *, keep: int = 256) -> None:
         if until > start:
-            self._by_node.setdefault(node_id, []).append(Answer(start, until, prompt_tokens, answer_tokens))
+            rows = self._by_node.setdefault(node_id, [])
+            rows.append(Answer(start, until, prompt_tokens, answer_tokens))
+            if len(rows) > keep:  # the one ending soonest goes
+                rows.remove(min(rows, key=lambda a: a.until))
 
     def expire(self, now: float) -> None:
         """Drop the answers estimated done by ``now``."""
