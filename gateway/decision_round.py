@@ -164,6 +164,21 @@ def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: Direct
     return arrivals.blocking_s((view.nodes[i],), (own,), now, landed=landed).get(0, 0.0)
 
 
+def answering_tokens(policy: KvgatePolicy, view: DirectoryView, now: float, block_size: int) -> dict[str, int]:
+    """Decode node id -> the KV the answers the replica knows run there read every step: the splits
+    that landed there (``gateway.policy.arrivals``) and the answers it served whole there
+    (``gateway.policy.answering``)."""
+    policy.answering.expire(now)
+    out: dict[str, int] = {}
+    for nv in view.nodes:
+        if nv.node.role != "prefill" and nv.load.inflight > 0:
+            node_id = nv.node.node_id
+            tokens = policy.pending_arrivals.landed_tokens(node_id, now, block_size) + policy.answering.context_tokens(node_id, now)
+            if tokens:
+                out[node_id] = tokens
+    return out
+
+
 def decide_round(
     policy: Any,  # gateway.policy.Policy
     request: RoutingRequest,
@@ -214,7 +229,7 @@ def decide_round(
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
             delays_first_token=blocked_s(arrivals, decision, view, now, landed=False) > 0,
-            decode_serves_whole=whole_on_decode,
+            decode_serves_whole=whole_on_decode, answering_tokens=answering_tokens(policy, view, now, request.block_size),
         )  # fmt: skip
         if aggregated_ttft is not None:
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)

@@ -25,6 +25,7 @@ from gateway.policy import make_policy
 from gateway.profile import load_profile
 from gateway.types import RoutingRequest
 from tokenizer import PromptTokenizer
+from workers.engine.step_time import prefill_pairs, step_seconds
 
 PROFILE = load_profile("llama-3.1-8b-h100")
 BS = PROFILE.block_size
@@ -96,6 +97,33 @@ def test_a_short_prompt_moves_only_for_a_sooner_first_token() -> None:
     fleet = [node(1, "prefill"), node(2, "decode", inflight=60), node(3, "decode", inflight=2)]
     rnd = decide(fleet, 200, 1500, link="rdma")
     assert rnd.decision.prefill is None, rnd.decision.reason
+
+
+def test_a_short_split_prompt_is_done_when_the_prefill_nodes_step_is() -> None:
+    # 131 tokens are one step on the prefill node, and a step reads every weight however few tokens
+    # it computes: the plan's readiness (and so when the ledger takes the KV as landed) is the
+    # engine's step, not the FLOPs of 131 tokens (3.7 ms sooner)
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=4, queued=40_000), node(3, "decode", inflight=4, queued=40_000)]
+    plan = decide(fleet, 131, 256, link="rdma", split_ttft_slack=0.0).decision.prefill
+    assert plan is not None
+    step = step_seconds(PROFILE, prefill_tokens=131, prefill_pairs=prefill_pairs(131, 0), decode_seqs=0, decode_context_tokens=0)
+    assert plan.ready_s == pytest.approx(step)
+    assert plan.ready_s > PROFILE.prefill_seconds(131) + 0.003
+
+
+def test_a_splits_first_token_waits_for_steps_that_read_the_answers_running_on_its_decode_node() -> None:
+    # the same split, once with 32k tokens of landed splits answering on both decode nodes: the step
+    # in progress (half of one, on average) and the one computing the prompt's last token read them
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=4, queued=40_000), node(3, "decode", inflight=4, queued=40_000)]
+    plain = decide(fleet, 8_000, 256, link="rdma", split_ttft_slack=0.0).decision.prefill
+    policy = warmed(make_policy("kvgate", link="rdma", split_ttft_slack=0.0))
+    for d in ("d2", "d3"):
+        policy.pending_arrivals.add(d, at=-1.0, blocks=2_000, until=10.0)
+    answering = decide_round(policy, request(8_000), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=256)
+    assert plain is not None and answering.decision.prefill is not None, answering.decision.reason
+    read = 1.5 * PROFILE.decode_step_per_context_token_s * 2_000 * BS
+    assert answering.decision.prefill.first_token_s == pytest.approx(plain.first_token_s + read)
+    assert answering.decision.prefill.ready_s == plain.ready_s  # the prefill node's side is unchanged
 
 
 def test_the_decode_node_pays_for_the_memory_the_transferred_kv_takes() -> None:

@@ -11,6 +11,9 @@ already running where it is computed, plus the KV memory it takes::
     first_token    = max(queue(p) + prefill(p) + transfer(prompt), queued prefill on d)
                      + the step running on d + the prompt's last token, computed on d
 
+(prefill(p) is at least one step's pass over the weights, ``weights_pass_s``; the steps on d
+read the KV of the answers the replica knows to run there, ``answering_tokens``.)
+
     decode(n)      = answer budget × decode_step_seconds(running(n) + 1, prompt)
     stall(n, s)    = running decodes on n × (s - prefill overhead - one decode step's base time)
                      (0 on a prefill-only node: nothing decodes there)
@@ -64,6 +67,7 @@ the tie tolerance. Splitting is considered only in a fleet that declared roles (
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -133,6 +137,18 @@ def chunk_overhead_s(profile: HardwareProfile, tokens: int) -> float:
     return profile.prefill_overhead_s * (chunks - 1)
 
 
+def weights_pass_s(profile: HardwareProfile, tokens: int) -> float:
+    """What a prompt of ``tokens`` computed in one step adds to its prefill estimate: the step
+    reads every weight whatever it computes (``decode_step_base_s``), and the cost model's linear
+    term charges only the tokens' FLOPs. A 131-token split prompt was estimated done 3.7 ms before
+    it was, so the ledger took its KV as landed while it was still on its way, and a document
+    routed whole to the same decode node held its first token 774 ms (simulate, mixed, 4P+4D,
+    RDMA, seed 1: the TTFT p99's request)."""
+    if tokens >= profile.max_num_batched_tokens:
+        return 0.0
+    return max(profile.decode_step_base_s - max(tokens, 1) / profile.prefill_tokens_per_s, 0.0)
+
+
 def declares_roles(view: DirectoryView) -> bool:
     """True for a disaggregated fleet: some live node is not ``both``."""
     return any(nv.node.role != "both" for nv in view.nodes)
@@ -164,6 +180,7 @@ def split_or_not(
     blocked_s: float = 0.0,
     decode_serves_whole: bool = True,
     delays_first_token: bool | None = None,
+    answering_tokens: Mapping[str, int] | None = None,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
@@ -177,12 +194,15 @@ def split_or_not(
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures. With
     ``decode_serves_whole`` False and no node chosen (no ``both`` node live), the request is split
-    over the cheapest pair (``forced_split``).
+    over the cheapest pair (``forced_split``). ``answering_tokens``: node id -> the KV the answers
+    known to run there read every step (the replica's ledgers): the decode node's steps read it
+    while the split waits for one and computes its last token in the next.
     """
     chosen = decision.node
     if not declares_roles(view) or (chosen is None and decode_serves_whole):
         return decision
-    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory)
+    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory,
+                   answering_tokens=answering_tokens)
     if chosen is None:
         return forced_split(decision, pairs, view, link)
     agg_nv = next((nv for nv in view.nodes if nv.node.node_id == chosen.node_id), None)
@@ -255,6 +275,7 @@ class _Pairs:
     def __init__(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *,
         answer_tokens: int, link: str, memory: MemoryPricing | None, answers: int = 1,
+        answering_tokens: Mapping[str, int] | None = None,
     ) -> None:
         est = TtftEstimator(profile, request, link=link)
         n = self.prompt_tokens = request.prompt_tokens
@@ -270,12 +291,16 @@ class _Pairs:
             role = nv.node.role
             if role != "decode":
                 cached = est.cached_tokens(nv.cached_blocks)
-                prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, n - cached)
+                new = max(n - cached, 1)
+                prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, new)
+                prefill += weights_pass_s(profile, new)
                 ready = est.queue_s(nv.load) + prefill
                 self.prefill_side.append(_Side(ready, self.stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
             if role != "prefill":
                 busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
                 drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed
+                if answering_tokens and nv.load.inflight > 0:  # half the step in progress and ours read the answers' KV
+                    busy += 1.5 * profile.decode_step_per_context_token_s * answering_tokens.get(nv.node.node_id, 0)
                 self.decode_side.append(_Side(drain, self.decode_s(nv) + memory_s(nv), i, busy=busy))
         self.transfer = est.transfer_s(n)
         self.last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself
