@@ -23,7 +23,7 @@ import xxhash
 from directory_client.frozen import fast_frozen_init
 from directory_client.types import DirectoryView, NodeLoad, SplitArrival
 from gateway.policy.arrivals import Arrival, PendingArrivals
-from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
+from gateway.policy.disagg import aggregated_view, declares_roles, prefill_serves_whole, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
 from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
@@ -217,7 +217,9 @@ def decide_round(
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
     splits = roles and isinstance(policy, KvgatePolicy) and policy.disaggregate  # balancers never split
-    whole_view = aggregated_view(view, decode_serves_whole=whole_on_decode) if roles else view
+    # a short answer may be served whole on a prefill node, unless the engines serve only their role (SGLang)
+    on_prefill = splits and whole_on_decode and prefill_serves_whole(answer_tokens, answers, policy.prefill_serves_whole_tokens)
+    whole_view = aggregated_view(view, decode_serves_whole=whole_on_decode, prefill_serves_whole=on_prefill) if roles else view
     # the whole-request choice of a P/D fleet is its own (gateway.policy.whole); other policies know no such flag
     decision = policy.decide(request, whole_view, profile, now=now, **({"disaggregated": True} if splits else {}))
     if splits:

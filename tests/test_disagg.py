@@ -152,22 +152,47 @@ def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
 @pytest.mark.parametrize("decoding", [0, 30])
 def test_a_short_prompt_is_not_worth_a_transfer(decoding: int) -> None:
     # its prefill hides in a decode step's weight reads: it stalls none of the running decodes
-    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 16)
+    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 256)
     assert rnd.decision.prefill is None and rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
 
 
 @pytest.mark.parametrize("policy", ["kvgate", "round_robin", "least_request", "prefix_only"])
-def test_a_prefill_node_is_never_a_whole_requests_destination(policy: str) -> None:
+def test_a_prefill_node_is_never_the_destination_of_a_long_answer(policy: str) -> None:
     # the prefill node holds the whole prompt and is idle; the decode node is saturated
     prompt = 4096
     fleet = [node(1, "prefill", cached=prompt // BS), node(2, "decode", inflight=300, queued=50_000)]
     for _ in range(4):
-        rnd = decide(fleet, prompt, 64, policy)
+        rnd = decide(fleet, prompt, 65, policy)
         assert rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_request", "prefix_only"])
+def test_balancing_policies_never_send_a_whole_request_to_a_prefill_node(policy: str) -> None:
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=300, queued=50_000)]
+    for _ in range(4):
+        assert decide(fleet, 4096, 8, policy).decision.node.node_id == "d2"
+
+
+def test_a_long_prompt_asking_a_short_answer_is_served_whole_on_an_idle_prefill_node() -> None:
+    # a document to summarise in 64 tokens: a split would add its KV's transfer to its first token,
+    # served whole on a decode node its prefill chunks would carry the 20 answers decoding there
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=20), node(3, "decode", inflight=20)]
+    rnd = decide(fleet, 23_000, 64, link="rdma")
+    assert rnd.decision.prefill is None and rnd.decision.node.node_id == "p1", rnd.decision.reason
+    assert rnd.prefill_tokens == 23_000  # the prefill node computes it, and its reservation says so
+    # n answers count in full: 2 x 64 tokens is not a short answer
+    two = decide_round(warmed(make_policy("kvgate", link="rdma")), request(23_000), DirectoryView(tuple(fleet)), PROFILE,
+                       now=0.0, answer_tokens=64, answers=2)  # fmt: skip
+    assert two.decision.node.role == "decode"
+    # 0: prefill nodes never serve a request whole (SGLang's prefill mode), nor does kvgate told never to split
+    for options in ({"prefill_serves_whole_tokens": 0}, {"disaggregate": False}):
+        assert decide(fleet, 23_000, 64, link="rdma", **options).decision.node.role == "decode"
+    with pytest.raises(ValueError, match="prefill_serves_whole_tokens"):
+        make_policy("kvgate", prefill_serves_whole_tokens=-1)
+
+
 def test_a_fleet_of_prefill_nodes_only_has_no_destination() -> None:
-    assert decide([node(1, "prefill")], 4096, 64).decision.node is None
+    assert decide([node(1, "prefill")], 4096, 65).decision.node is None
 
 
 def test_balancing_policies_never_split() -> None:
@@ -280,10 +305,10 @@ def test_decode_nodes_that_cannot_serve_whole_get_only_split_requests() -> None:
     false``): a short prompt that would never pay a split is split all the same, over TCP, with a
     cold first-token tail, rather than reach a decode node whole."""
     fleet = [node(1, "prefill"), node(2, "prefill", inflight=3, queued=4000), node(3, "decode"), node(4, "decode", inflight=9)]
-    whole = decide_round(make_policy("kvgate"), request(256), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=64)
+    whole = decide_round(make_policy("kvgate"), request(256), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=128)
     assert whole.decision.prefill is None and whole.decision.node.role == "decode"  # vLLM's decode nodes serve it whole
-    rnd = decide_round(make_policy("kvgate", decode_serves_whole=False), request(256), DirectoryView(tuple(fleet)),
-                       PROFILE, now=0.0, answer_tokens=64)  # fmt: skip
+    rnd = decide_round(make_policy("kvgate", decode_serves_whole=False, prefill_serves_whole_tokens=0), request(256),
+                       DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=64)  # fmt: skip
     plan = rnd.decision.prefill
     assert plan is not None and plan.node_id == "p1" and rnd.decision.node.node_id == "d3", rnd.decision.reason
     assert rnd.decision.reason.startswith("split p1->d3 (decode nodes serve only split requests)")

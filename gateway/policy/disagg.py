@@ -149,17 +149,40 @@ def weights_pass_s(profile: HardwareProfile, tokens: int) -> float:
     return max(profile.decode_step_base_s - max(tokens, 1) / profile.prefill_tokens_per_s, 0.0)
 
 
+def prefill_serves_whole(answer_tokens: int, answers: int, limit: int) -> bool:
+    """Whether a request whose answers are ``answers`` × ``answer_tokens`` tokens may be served
+    whole on a prefill node: at most ``limit`` tokens in all (0: never).
+
+    The slowest first tokens of a fleet with prefill/decode roles are its longest prompts, and
+    those that ask a short answer (a summary, an extraction) cannot pay a split: 23k tokens of KV
+    take 60 ms over RDMA. Served whole on a decode node, each of their prefill chunks carries every
+    answer decoding there, and a decode node runs the answers of the whole fleet: at 4P+4D, the
+    ten slowest documents of each run had 7.7 decodes in their chunks against 3.6 on 8 aggregated
+    nodes, and their first tokens came 2.7 ms later (simulate, mixed, RDMA, seeds 0-11: TTFT p99
+    +3.2 ms mean, worse on 10 of 12 seeds). A prefill node decodes nothing: the document's first
+    token comes with its prefill, and its few answer tokens ride in the steps of the prompts the
+    node computes next (one token each, a batch of one). A long answer would make the prefill node
+    a decode node, its tokens paced by those prompts' chunks: hence the bound. An engine must be
+    able to serve a request by itself for this (vLLM's NIXL prefill instances are; SGLang's
+    prefill-mode servers are not: 0, and ``decode_serves_whole: false`` implies it)."""
+    return limit > 0 and answer_tokens * answers <= limit
+
+
 def declares_roles(view: DirectoryView) -> bool:
     """True for a disaggregated fleet: some live node is not ``both``."""
     return any(nv.node.role != "both" for nv in view.nodes)
 
 
-def aggregated_view(view: DirectoryView, *, decode_serves_whole: bool = True) -> DirectoryView:
-    """The nodes that may serve a whole request: a prefill-only node never does, nor a decode
-    node whose engine cannot compute a prompt by itself (``decode_serves_whole`` False: SGLang's
-    decode mode)."""
+def aggregated_view(
+    view: DirectoryView, *, decode_serves_whole: bool = True, prefill_serves_whole: bool = False
+) -> DirectoryView:
+    """The nodes that may serve a whole request: a prefill node only when ``prefill_serves_whole``
+    (a short answer, ``prefill_serves_whole``), a decode node unless its engine cannot compute a
+    prompt by itself (``decode_serves_whole`` False: SGLang's decode mode)."""
     kept = tuple(
-        nv for nv in view.nodes if nv.node.role == "both" or (nv.node.role == "decode" and decode_serves_whole)
+        nv for nv in view.nodes
+        if nv.node.role == "both" or (nv.node.role == "decode" and decode_serves_whole)
+        or (nv.node.role == "prefill" and prefill_serves_whole)
     )
     return view if len(kept) == len(view.nodes) else replace(view, nodes=kept)
 
