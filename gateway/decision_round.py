@@ -232,6 +232,7 @@ def decide_round(
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
             delays_first_token=blocked_s(arrivals, decision, view, now, landed=False) > 0,
             decode_serves_whole=whole_on_decode, answering_tokens=answering_tokens(policy, view, now, request.block_size),
+            answering=policy.answering, now=now,
         )  # fmt: skip
         if aggregated_ttft is not None:
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)

@@ -191,6 +191,30 @@ def test_a_long_prompt_asking_a_short_answer_is_served_whole_on_an_idle_prefill_
         make_policy("kvgate", prefill_serves_whole_tokens=-1)
 
 
+def test_a_prefill_node_answering_a_short_request_is_spared_a_long_prefill() -> None:
+    # p1 is sooner than p2 (p2 has 500 tokens queued), but p1 is decoding a document's 64-token
+    # answer for the next 0.5 s: a 23k-token prefill there would pace that answer by its chunks
+    fleet = [node(1, "prefill", inflight=1), node(2, "prefill", queued=500),
+             node(3, "decode", inflight=20), node(4, "decode", inflight=20)]
+
+    def policy(answering: bool):  # type: ignore[no-untyped-def]
+        pol = warmed(make_policy("kvgate", link="rdma"))
+        if answering:
+            pol.answering.add("p1", 0.0, 0.5, 20_000, 64)
+        return pol
+
+    def rnd(pol, answer: int):  # type: ignore[no-untyped-def]
+        return decide_round(pol, request(23_000), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=answer)
+
+    assert rnd(policy(False), 64).decision.node.node_id == "p1"  # served whole where it comes soonest
+    whole = rnd(policy(True), 64).decision
+    assert whole.node.node_id == "p2" and whole.prefill is None, whole.reason
+    # a split's prefill (a long answer) is placed by the same charge
+    assert rnd(policy(False), 1024).decision.prefill.node_id == "p1"
+    split = rnd(policy(True), 1024).decision
+    assert split.prefill is not None and split.prefill.node_id == "p2", split.reason
+
+
 def test_a_fleet_of_prefill_nodes_only_has_no_destination() -> None:
     assert decide([node(1, "prefill")], 4096, 65).decision.node is None
 

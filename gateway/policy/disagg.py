@@ -74,6 +74,7 @@ from typing import NamedTuple
 import numpy as np
 
 from directory_client.types import DirectoryView, NodeView
+from gateway.policy.answering import AnsweringContexts
 from gateway.policy.cost_model import TtftEstimator
 from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
@@ -204,6 +205,8 @@ def split_or_not(
     decode_serves_whole: bool = True,
     delays_first_token: bool | None = None,
     answering_tokens: Mapping[str, int] | None = None,
+    answering: AnsweringContexts | None = None,
+    now: float = 0.0,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
@@ -219,24 +222,29 @@ def split_or_not(
     ``decode_serves_whole`` False and no node chosen (no ``both`` node live), the request is split
     over the cheapest pair (``forced_split``). ``answering_tokens``: node id -> the KV the answers
     known to run there read every step (the replica's ledgers): the decode node's steps read it
-    while the split waits for one and computes its last token in the next.
+    while the split waits for one and computes its last token in the next. ``answering``: the
+    answers served whole (the replica's ledger, read at ``now``): a prefill node's short ones are
+    stalled by a split's prefill computed there.
     """
     chosen = decision.node
     if not declares_roles(view) or (chosen is None and decode_serves_whole):
         return decision
     pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory,
-                   answering_tokens=answering_tokens)
+                   answering_tokens=answering_tokens, answering=answering, now=now)
     if chosen is None:
         return forced_split(decision, pairs, view, link)
     agg_nv = next((nv for nv in view.nodes if nv.node.node_id == chosen.node_id), None)
     own = next((c for c in decision.candidates if c.node_id == chosen.node_id), None)
     if agg_nv is None or own is None:
         return decision
-    stall_s, transfer = pairs.stall_s, pairs.transfer
-    aggregated = own.score + pairs.decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s) + blocked_s
+    transfer = pairs.transfer
+    stall = pairs.stall_s(agg_nv, own.prefill_s)
+    if agg_nv.node.role == "prefill" and answering:  # a short answer served whole there: others answering wait
+        stall += answering.stalled_s(chosen.node_id, now + own.total_s - own.prefill_s, now + own.total_s)
+    aggregated = own.score + pairs.decode_s(agg_nv) + stall + blocked_s
     # Splitting spares the decodes only a prefill that would stall them; any other split must
     # give a sooner first token (else it only moves the answer to a less busy decode node).
-    stalls = stall_s(agg_nv, own.prefill_s) > 0
+    stalls = stall > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
     if delays_first_token is None:
         delays_first_token = blocked_s > 0
@@ -298,7 +306,7 @@ class _Pairs:
     def __init__(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *,
         answer_tokens: int, link: str, memory: MemoryPricing | None, answers: int = 1,
-        answering_tokens: Mapping[str, int] | None = None,
+        answering_tokens: Mapping[str, int] | None = None, answering: AnsweringContexts | None = None, now: float = 0.0,
     ) -> None:
         est = TtftEstimator(profile, request, link=link)
         n = self.prompt_tokens = request.prompt_tokens
@@ -318,7 +326,10 @@ class _Pairs:
                 prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, new)
                 prefill += weights_pass_s(profile, new)
                 ready = est.queue_s(nv.load) + prefill
-                self.prefill_side.append(_Side(ready, self.stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
+                stall = self.stall_s(nv, prefill)
+                if role == "prefill" and answering:  # the short answers served whole there wait for it
+                    stall += answering.stalled_s(nv.node.node_id, now + ready - prefill, now + ready)
+                self.prefill_side.append(_Side(ready, stall + memory_s(nv), i, max(n - cached, 1)))
             if role != "prefill":
                 busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
                 drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed

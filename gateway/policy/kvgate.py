@@ -249,9 +249,14 @@ class KvgatePolicy:
         added: dict[int, float] = {}
         self.answering.expire(now)
         for i, (nv, c) in enumerate(zip(nodes, costs, strict=True)):
+            node_id = nv.node.node_id
+            if nv.node.role == "prefill":  # its answers are short ones served whole: a prefill there stalls them
+                stalled = self.answering.stalled_s(node_id, now + c.total_s - c.prefill_s, now + c.total_s)
+                if stalled > 0:
+                    added[i] = stalled
+                continue
             if nv.load.inflight <= 0:
                 continue
-            node_id = nv.node.node_id
             context = self.pending_arrivals.landed_tokens(node_id, now, request.block_size)
             context += self.answering.context_tokens(node_id, now)
             new_tokens = max(request.prompt_tokens - est.cached_tokens(c.cached_blocks), 1)  # at least one, always
