@@ -217,7 +217,7 @@ class NodeConfig(_Section):
         "0 = read from the engine's /metrics by the node's bridge (vLLM cache_config_info, SGLang max_total_num_tokens)"
     )
     role: Literal["prefill", "decode", "both"] = Field(
-        "both", description="disaggregated serving: prefill computes prompts for decode nodes (never a destination), decode generates, both does either"
+        "both", description="disaggregated serving: prefill computes prompts for decode nodes (a destination only of short answers: policy.prefill_serves_whole_tokens), decode generates, both does either"
     )
 
     @field_validator("address")
@@ -273,6 +273,9 @@ class PolicyConfig(_Section):
     disaggregate: bool = Field(True, description="kvgate, in a fleet with prefill/decode roles: split a request over a pair when it pays")
     decode_serves_whole: bool = Field(
         True, description="kvgate: decode nodes can compute a whole request themselves (false for SGLang's decode mode: every request for one is split)"
+    )
+    prefill_serves_whole_tokens: int = Field(
+        64, ge=0, description="kvgate: a request answering at most this many tokens may be served whole on a prefill node (0: never; as with decode_serves_whole: false, SGLang's prefill mode cannot)"
     )
     split_ttft_slack: float = Field(
         DEFAULT_TTFT_SLACK, ge=0, description="a split that spares running decodes a long prefill may delay the first token this fraction at most"

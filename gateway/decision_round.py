@@ -23,7 +23,7 @@ import xxhash
 from directory_client.frozen import fast_frozen_init
 from directory_client.types import DirectoryView, NodeLoad, SplitArrival
 from gateway.policy.arrivals import Arrival, PendingArrivals
-from gateway.policy.disagg import aggregated_view, declares_roles, split_or_not
+from gateway.policy.disagg import aggregated_view, declares_roles, prefill_serves_whole, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
 from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
@@ -164,6 +164,21 @@ def blocked_s(arrivals: PendingArrivals | None, decision: Decision, view: Direct
     return arrivals.blocking_s((view.nodes[i],), (own,), now, landed=landed).get(0, 0.0)
 
 
+def answering_tokens(policy: KvgatePolicy, view: DirectoryView, now: float, block_size: int) -> dict[str, int]:
+    """Decode node id -> the KV the answers the replica knows run there read every step: the splits
+    that landed there (``gateway.policy.arrivals``) and the answers it served whole there
+    (``gateway.policy.answering``)."""
+    policy.answering.expire(now)
+    out: dict[str, int] = {}
+    for nv in view.nodes:
+        if nv.node.role != "prefill" and nv.load.inflight > 0:
+            node_id = nv.node.node_id
+            tokens = policy.pending_arrivals.landed_tokens(node_id, now, block_size) + policy.answering.context_tokens(node_id, now)
+            if tokens:
+                out[node_id] = tokens
+    return out
+
+
 def decide_round(
     policy: Any,  # gateway.policy.Policy
     request: RoutingRequest,
@@ -202,7 +217,9 @@ def decide_round(
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
     splits = roles and isinstance(policy, KvgatePolicy) and policy.disaggregate  # balancers never split
-    whole_view = aggregated_view(view, decode_serves_whole=whole_on_decode) if roles else view
+    # a short answer may be served whole on a prefill node, unless the engines serve only their role (SGLang)
+    on_prefill = splits and whole_on_decode and prefill_serves_whole(answer_tokens, answers, policy.prefill_serves_whole_tokens)
+    whole_view = aggregated_view(view, decode_serves_whole=whole_on_decode, prefill_serves_whole=on_prefill) if roles else view
     # the whole-request choice of a P/D fleet is its own (gateway.policy.whole); other policies know no such flag
     decision = policy.decide(request, whole_view, profile, now=now, **({"disaggregated": True} if splits else {}))
     if splits:
@@ -214,7 +231,8 @@ def decide_round(
             memory=MemoryPricing(profile, request.block_size, policy.memory_value) if policy.memory_value > 0 else None,
             ttft_slack=policy.split_ttft_slack, tail_s=tail.p99_s, blocked_s=blocked_s(arrivals, decision, view, now),
             delays_first_token=blocked_s(arrivals, decision, view, now, landed=False) > 0,
-            decode_serves_whole=whole_on_decode,
+            decode_serves_whole=whole_on_decode, answering_tokens=answering_tokens(policy, view, now, request.block_size),
+            answering=policy.answering, now=now,
         )  # fmt: skip
         if aggregated_ttft is not None:
             tail.observe(decision.prefill.first_token_s if decision.prefill else aggregated_ttft)

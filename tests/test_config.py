@@ -74,6 +74,7 @@ def test_yaml_file_is_loaded(tmp_path):
     assert cfg.policy.options() == {
         "link": "rdma", "min_pull_blocks": 8, "fallbacks": 1, "saturation_penalty_s": 1.0, "tie_tolerance_s": 0.001,
         "session_slack": 0.25, "session_slack_long": 1.0, "disaggregate": True, "decode_serves_whole": True, "split_ttft_slack": 0.1,
+        "prefill_serves_whole_tokens": 64,
     }  # fmt: skip  (kvgate_nopull takes no allow_pull)
     assert cfg.policy.build().name == "kvgate_nopull"
 

@@ -25,6 +25,7 @@ from gateway.policy import make_policy
 from gateway.profile import load_profile
 from gateway.types import RoutingRequest
 from tokenizer import PromptTokenizer
+from workers.engine.step_time import prefill_pairs, step_seconds
 
 PROFILE = load_profile("llama-3.1-8b-h100")
 BS = PROFILE.block_size
@@ -98,6 +99,33 @@ def test_a_short_prompt_moves_only_for_a_sooner_first_token() -> None:
     assert rnd.decision.prefill is None, rnd.decision.reason
 
 
+def test_a_short_split_prompt_is_done_when_the_prefill_nodes_step_is() -> None:
+    # 131 tokens are one step on the prefill node, and a step reads every weight however few tokens
+    # it computes: the plan's readiness (and so when the ledger takes the KV as landed) is the
+    # engine's step, not the FLOPs of 131 tokens (3.7 ms sooner)
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=4, queued=40_000), node(3, "decode", inflight=4, queued=40_000)]
+    plan = decide(fleet, 131, 256, link="rdma", split_ttft_slack=0.0).decision.prefill
+    assert plan is not None
+    step = step_seconds(PROFILE, prefill_tokens=131, prefill_pairs=prefill_pairs(131, 0), decode_seqs=0, decode_context_tokens=0)
+    assert plan.ready_s == pytest.approx(step)
+    assert plan.ready_s > PROFILE.prefill_seconds(131) + 0.003
+
+
+def test_a_splits_first_token_waits_for_steps_that_read_the_answers_running_on_its_decode_node() -> None:
+    # the same split, once with 32k tokens of landed splits answering on both decode nodes: the step
+    # in progress (half of one, on average) and the one computing the prompt's last token read them
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=4, queued=40_000), node(3, "decode", inflight=4, queued=40_000)]
+    plain = decide(fleet, 8_000, 256, link="rdma", split_ttft_slack=0.0).decision.prefill
+    policy = warmed(make_policy("kvgate", link="rdma", split_ttft_slack=0.0))
+    for d in ("d2", "d3"):
+        policy.pending_arrivals.add(d, at=-1.0, blocks=2_000, until=10.0)
+    answering = decide_round(policy, request(8_000), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=256)
+    assert plain is not None and answering.decision.prefill is not None, answering.decision.reason
+    read = 1.5 * PROFILE.decode_step_per_context_token_s * 2_000 * BS
+    assert answering.decision.prefill.first_token_s == pytest.approx(plain.first_token_s + read)
+    assert answering.decision.prefill.ready_s == plain.ready_s  # the prefill node's side is unchanged
+
+
 def test_the_decode_node_pays_for_the_memory_the_transferred_kv_takes() -> None:
     # two equally idle decode nodes, one with its memory full: the prompt's KV evicts others' blocks there
     def decoder(i: int, held: int) -> NodeView:
@@ -124,22 +152,71 @@ def test_a_mostly_cached_prompt_on_a_decode_node_is_not_split() -> None:
 @pytest.mark.parametrize("decoding", [0, 30])
 def test_a_short_prompt_is_not_worth_a_transfer(decoding: int) -> None:
     # its prefill hides in a decode step's weight reads: it stalls none of the running decodes
-    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 16)
+    rnd = decide([node(1, "prefill"), node(2, "decode", inflight=decoding)], 200, 256)
     assert rnd.decision.prefill is None and rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
 
 
 @pytest.mark.parametrize("policy", ["kvgate", "round_robin", "least_request", "prefix_only"])
-def test_a_prefill_node_is_never_a_whole_requests_destination(policy: str) -> None:
+def test_a_prefill_node_is_never_the_destination_of_a_long_answer(policy: str) -> None:
     # the prefill node holds the whole prompt and is idle; the decode node is saturated
     prompt = 4096
     fleet = [node(1, "prefill", cached=prompt // BS), node(2, "decode", inflight=300, queued=50_000)]
     for _ in range(4):
-        rnd = decide(fleet, prompt, 64, policy)
+        rnd = decide(fleet, prompt, 65, policy)
         assert rnd.decision.node is not None and rnd.decision.node.node_id == "d2"
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "least_request", "prefix_only"])
+def test_balancing_policies_never_send_a_whole_request_to_a_prefill_node(policy: str) -> None:
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=300, queued=50_000)]
+    for _ in range(4):
+        assert decide(fleet, 4096, 8, policy).decision.node.node_id == "d2"
+
+
+def test_a_long_prompt_asking_a_short_answer_is_served_whole_on_an_idle_prefill_node() -> None:
+    # a document to summarise in 64 tokens: a split would add its KV's transfer to its first token,
+    # served whole on a decode node its prefill chunks would carry the 20 answers decoding there
+    fleet = [node(1, "prefill"), node(2, "decode", inflight=20), node(3, "decode", inflight=20)]
+    rnd = decide(fleet, 23_000, 64, link="rdma")
+    assert rnd.decision.prefill is None and rnd.decision.node.node_id == "p1", rnd.decision.reason
+    assert rnd.prefill_tokens == 23_000  # the prefill node computes it, and its reservation says so
+    # n answers count in full: 2 x 64 tokens is not a short answer
+    two = decide_round(warmed(make_policy("kvgate", link="rdma")), request(23_000), DirectoryView(tuple(fleet)), PROFILE,
+                       now=0.0, answer_tokens=64, answers=2)  # fmt: skip
+    assert two.decision.node.role == "decode"
+    # 0: prefill nodes never serve a request whole (SGLang's prefill mode), nor does kvgate told never to split
+    for options in ({"prefill_serves_whole_tokens": 0}, {"disaggregate": False}):
+        assert decide(fleet, 23_000, 64, link="rdma", **options).decision.node.role == "decode"
+    with pytest.raises(ValueError, match="prefill_serves_whole_tokens"):
+        make_policy("kvgate", prefill_serves_whole_tokens=-1)
+
+
+def test_a_prefill_node_answering_a_short_request_is_spared_a_long_prefill() -> None:
+    # p1 is sooner than p2 (p2 has 500 tokens queued), but p1 is decoding a document's 64-token
+    # answer for the next 0.5 s: a 23k-token prefill there would pace that answer by its chunks
+    fleet = [node(1, "prefill", inflight=1), node(2, "prefill", queued=500),
+             node(3, "decode", inflight=20), node(4, "decode", inflight=20)]
+
+    def policy(answering: bool):  # type: ignore[no-untyped-def]
+        pol = warmed(make_policy("kvgate", link="rdma"))
+        if answering:
+            pol.answering.add("p1", 0.0, 0.5, 20_000, 64)
+        return pol
+
+    def rnd(pol, answer: int):  # type: ignore[no-untyped-def]
+        return decide_round(pol, request(23_000), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=answer)
+
+    assert rnd(policy(False), 64).decision.node.node_id == "p1"  # served whole where it comes soonest
+    whole = rnd(policy(True), 64).decision
+    assert whole.node.node_id == "p2" and whole.prefill is None, whole.reason
+    # a split's prefill (a long answer) is placed by the same charge
+    assert rnd(policy(False), 1024).decision.prefill.node_id == "p1"
+    split = rnd(policy(True), 1024).decision
+    assert split.prefill is not None and split.prefill.node_id == "p2", split.reason
+
+
 def test_a_fleet_of_prefill_nodes_only_has_no_destination() -> None:
-    assert decide([node(1, "prefill")], 4096, 64).decision.node is None
+    assert decide([node(1, "prefill")], 4096, 65).decision.node is None
 
 
 def test_balancing_policies_never_split() -> None:
@@ -252,10 +329,10 @@ def test_decode_nodes_that_cannot_serve_whole_get_only_split_requests() -> None:
     false``): a short prompt that would never pay a split is split all the same, over TCP, with a
     cold first-token tail, rather than reach a decode node whole."""
     fleet = [node(1, "prefill"), node(2, "prefill", inflight=3, queued=4000), node(3, "decode"), node(4, "decode", inflight=9)]
-    whole = decide_round(make_policy("kvgate"), request(256), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=64)
+    whole = decide_round(make_policy("kvgate"), request(256), DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=128)
     assert whole.decision.prefill is None and whole.decision.node.role == "decode"  # vLLM's decode nodes serve it whole
-    rnd = decide_round(make_policy("kvgate", decode_serves_whole=False), request(256), DirectoryView(tuple(fleet)),
-                       PROFILE, now=0.0, answer_tokens=64)  # fmt: skip
+    rnd = decide_round(make_policy("kvgate", decode_serves_whole=False, prefill_serves_whole_tokens=0), request(256),
+                       DirectoryView(tuple(fleet)), PROFILE, now=0.0, answer_tokens=64)  # fmt: skip
     plan = rnd.decision.prefill
     assert plan is not None and plan.node_id == "p1" and rnd.decision.node.node_id == "d3", rnd.decision.reason
     assert rnd.decision.reason.startswith("split p1->d3 (decode nodes serve only split requests)")

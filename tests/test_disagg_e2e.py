@@ -28,12 +28,34 @@ def short_question() -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "What is two plus two?"}], "max_tokens": 8}
 
 
-def test_a_whole_request_never_lands_on_the_prefill_node(stack: Stack) -> None:
+def test_a_long_answer_never_lands_on_the_prefill_node(stack: Stack) -> None:
     for _ in range(6):
-        status, body = post_json(stack.url("/v1/chat/completions"), short_question())
+        status, body = post_json(stack.url("/v1/chat/completions"), {**short_question(), "max_tokens": 65})
         assert status == 200, body
         assert body["node"] in ("b", "c")
         assert "x-prefiller-host-port" not in body["headers"]  # idle fleet, short prompt: served whole
+
+
+def test_a_short_answer_may_be_served_whole_by_the_prefill_node(stack: Stack) -> None:
+    # policy.prefill_serves_whole_tokens (64): with both decode nodes decoding 24 answers, the idle
+    # prefill node gives the sooner first token, and an 8-token answer is no decode to speak of
+    async def busy(d):
+        return [await d.reserve(n, 0, hold_s=60.0) for n in ("b", "c") for _ in range(24)]
+
+    held = stack.directory_call(busy)
+    try:
+        status, body = post_json(stack.url("/v1/chat/completions"), short_question())
+        assert status == 200, body
+        assert body["node"] == "a" and "x-prefiller-host-port" not in body["headers"]
+        status, body = post_json(stack.url("/v1/chat/completions"), {**short_question(), "max_tokens": 65})
+        assert status == 200, body
+        assert body["node"] in ("b", "c")  # a longer answer would make the prefill node a decode node
+    finally:
+        async def free(d):
+            for r in held:
+                await d.release(r)
+
+        stack.directory_call(free)
 
 
 def test_a_long_prompt_with_a_long_answer_on_busy_decoders_is_split(stack: Stack) -> None:

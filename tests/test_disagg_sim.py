@@ -22,12 +22,14 @@ def run(roles: tuple[int, int] | None, policy: str = "kvgate"):
     return sim, sim.run()
 
 
-def test_a_disaggregated_fleet_splits_some_requests_and_answers_every_one_from_a_decode_node() -> None:
+def test_a_disaggregated_fleet_splits_some_requests_and_answers_every_long_answer_from_a_decode_node() -> None:
     sim, res = run((1, 3))
     s = summarize(res.records, wall_s=res.wall_s, busy_s=res.busy_s, nodes=[n.node_id for n in sim.nodes])
     assert s["ok"] == s["requests"] == 150
     assert 0 < s["split_frac"] < 1  # some prompts are worth a transfer, some are not
-    assert {r.node for r in res.records} <= {"n2", "n3", "n4"}  # n1 is the prefill node
+    on_prefill = [r for r in res.records if r.node == "n1"]  # n1 is the prefill node: short answers only, whole
+    assert all(r.output_tokens <= 64 and not r.split for r in on_prefill)
+    assert {r.node for r in res.records if r.output_tokens > 64} <= {"n2", "n3", "n4"}
     assert res.busy_s["n1"] > 0  # it computed the split prompts
     split = [r for r in res.records if r.split]
     assert all(r.ttft_s is not None and r.cached_tokens > 0 for r in split)  # the decode node used the KV as a hit

@@ -85,7 +85,7 @@ def _split_lateness(monkeypatch: pytest.MonkeyPatch, *, ledger: bool) -> float:
         monkeypatch.setattr(PendingArrivals, "add", lambda self, *a, **k: None)
     wl = mixed_workload(sessions=160, seed=1)
     sim = Simulator(wl, SimConfig(policy="kvgate", nodes=8, profile=PROFILE, roles=(2, 6), pull_link="rdma",
-                                  policy_options={"warmup_s": 0.0}), None)
+                                  policy_options={"warmup_s": 0.0, "prefill_serves_whole_tokens": 0}), None)
     estimate: dict[tuple[str, int], float] = {}
     sim.on_round = lambda spec, rnd: estimate.__setitem__((spec.session_id, spec.turn), rnd.ttft_s)
     res = sim.run()

@@ -103,7 +103,7 @@ LONGER = "A different report, longer still, on the same harbour. " * 2400  # its
 
 def replica(directory):  # type: ignore[no-untyped-def]
     """A gateway replica: its own policy (its own ledger), the shared directory."""
-    policy = make_policy("kvgate", link="rdma")
+    policy = make_policy("kvgate", link="rdma", prefill_serves_whole_tokens=0)  # the decode nodes' whole choice is the subject
     for _ in range(128):  # it has seen enough first tokens to know their p99
         policy.first_token_tail.observe(10.0)
     return RoutingCore(PromptTokenizer(), directory, policy, PROFILE, RoutingLimits(models=frozenset(["m"]), lookup_timeout_s=2.0))  # a loaded test machine

@@ -65,7 +65,7 @@ def test_a_prompt_at_the_tail_is_served_whole_where_its_first_token_comes_soones
     # The recent p99 is 1 s: this prompt's first token is at the tail whatever is chosen, so it goes
     # where it comes soonest, whole.
     fleet = (node(1, "prefill"), node(2, "decode", inflight=2), node(3, "decode", inflight=2, queued=8_000))
-    policy = warmed(make_policy("kvgate", link="rdma"), tail_s=1.0)
+    policy = warmed(make_policy("kvgate", link="rdma", prefill_serves_whole_tokens=0), tail_s=1.0)
     policy.pending_arrivals.add("d2", at=99.9, blocks=1_000, until=105.0)  # landed, still answering
     rnd = decide_round(policy, request(23_000), DirectoryView(fleet), PROFILE, now=100.0, answer_tokens=32)
     d2, d3 = rnd.decision.candidates[0], rnd.decision.candidates[1]
@@ -83,7 +83,7 @@ def test_the_tail_rule_never_delays_a_split_still_arriving() -> None:
     # d2 is sooner for this prompt, but a split's KV lands there in 0.2 s: serving whole there would
     # hold that split's first token back until the end of this prefill, so d2 does not win on speed
     fleet = (node(1, "prefill"), node(2, "decode", inflight=2), node(3, "decode", inflight=2, queued=4_000))
-    policy = warmed(make_policy("kvgate", link="rdma"), tail_s=1.0)
+    policy = warmed(make_policy("kvgate", link="rdma", prefill_serves_whole_tokens=0), tail_s=1.0)
     policy.pending_arrivals.add("d2", at=100.2, blocks=1_000, until=105.0)
     rnd = decide_round(policy, request(23_000), DirectoryView(fleet), PROFILE, now=100.0, answer_tokens=32)
     assert "aggregated d3" in rnd.decision.reason, rnd.decision.reason  # serving whole, d3 (here a split beat it)

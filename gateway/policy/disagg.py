@@ -11,6 +11,9 @@ already running where it is computed, plus the KV memory it takes::
     first_token    = max(queue(p) + prefill(p) + transfer(prompt), queued prefill on d)
                      + the step running on d + the prompt's last token, computed on d
 
+(prefill(p) is at least one step's pass over the weights, ``weights_pass_s``; the steps on d
+read the KV of the answers the replica knows to run there, ``answering_tokens``.)
+
     decode(n)      = answer budget × decode_step_seconds(running(n) + 1, prompt)
     stall(n, s)    = running decodes on n × (s - prefill overhead - one decode step's base time)
                      (0 on a prefill-only node: nothing decodes there)
@@ -64,12 +67,14 @@ the tie tolerance. Splitting is considered only in a fleet that declared roles (
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import NamedTuple
 
 import numpy as np
 
 from directory_client.types import DirectoryView, NodeView
+from gateway.policy.answering import AnsweringContexts
 from gateway.policy.cost_model import TtftEstimator
 from gateway.policy.memory import MemoryPricing
 from gateway.profile import HardwareProfile
@@ -133,17 +138,52 @@ def chunk_overhead_s(profile: HardwareProfile, tokens: int) -> float:
     return profile.prefill_overhead_s * (chunks - 1)
 
 
+def weights_pass_s(profile: HardwareProfile, tokens: int) -> float:
+    """What a prompt of ``tokens`` computed in one step adds to its prefill estimate: the step
+    reads every weight whatever it computes (``decode_step_base_s``), and the cost model's linear
+    term charges only the tokens' FLOPs. A 131-token split prompt was estimated done 3.7 ms before
+    it was, so the ledger took its KV as landed while it was still on its way, and a document
+    routed whole to the same decode node held its first token 774 ms (simulate, mixed, 4P+4D,
+    RDMA, seed 1: the TTFT p99's request)."""
+    if tokens >= profile.max_num_batched_tokens:
+        return 0.0
+    return max(profile.decode_step_base_s - max(tokens, 1) / profile.prefill_tokens_per_s, 0.0)
+
+
+def prefill_serves_whole(answer_tokens: int, answers: int, limit: int) -> bool:
+    """Whether a request whose answers are ``answers`` × ``answer_tokens`` tokens may be served
+    whole on a prefill node: at most ``limit`` tokens in all (0: never).
+
+    The slowest first tokens of a fleet with prefill/decode roles are its longest prompts, and
+    those that ask a short answer (a summary, an extraction) cannot pay a split: 23k tokens of KV
+    take 60 ms over RDMA. Served whole on a decode node, each of their prefill chunks carries every
+    answer decoding there, and a decode node runs the answers of the whole fleet: at 4P+4D, the
+    ten slowest documents of each run had 7.7 decodes in their chunks against 3.6 on 8 aggregated
+    nodes, and their first tokens came 2.7 ms later (simulate, mixed, RDMA, seeds 0-11: TTFT p99
+    +3.2 ms mean, worse on 10 of 12 seeds). A prefill node decodes nothing: the document's first
+    token comes with its prefill, and its few answer tokens ride in the steps of the prompts the
+    node computes next (one token each, a batch of one). A long answer would make the prefill node
+    a decode node, its tokens paced by those prompts' chunks: hence the bound. An engine must be
+    able to serve a request by itself for this (vLLM's NIXL prefill instances are; SGLang's
+    prefill-mode servers are not: 0, and ``decode_serves_whole: false`` implies it)."""
+    return limit > 0 and answer_tokens * answers <= limit
+
+
 def declares_roles(view: DirectoryView) -> bool:
     """True for a disaggregated fleet: some live node is not ``both``."""
     return any(nv.node.role != "both" for nv in view.nodes)
 
 
-def aggregated_view(view: DirectoryView, *, decode_serves_whole: bool = True) -> DirectoryView:
-    """The nodes that may serve a whole request: a prefill-only node never does, nor a decode
-    node whose engine cannot compute a prompt by itself (``decode_serves_whole`` False: SGLang's
-    decode mode)."""
+def aggregated_view(
+    view: DirectoryView, *, decode_serves_whole: bool = True, prefill_serves_whole: bool = False
+) -> DirectoryView:
+    """The nodes that may serve a whole request: a prefill node only when ``prefill_serves_whole``
+    (a short answer, ``prefill_serves_whole``), a decode node unless its engine cannot compute a
+    prompt by itself (``decode_serves_whole`` False: SGLang's decode mode)."""
     kept = tuple(
-        nv for nv in view.nodes if nv.node.role == "both" or (nv.node.role == "decode" and decode_serves_whole)
+        nv for nv in view.nodes
+        if nv.node.role == "both" or (nv.node.role == "decode" and decode_serves_whole)
+        or (nv.node.role == "prefill" and prefill_serves_whole)
     )
     return view if len(kept) == len(view.nodes) else replace(view, nodes=kept)
 
@@ -164,6 +204,9 @@ def split_or_not(
     blocked_s: float = 0.0,
     decode_serves_whole: bool = True,
     delays_first_token: bool | None = None,
+    answering_tokens: Mapping[str, int] | None = None,
+    answering: AnsweringContexts | None = None,
+    now: float = 0.0,
 ) -> Decision:
     """``decision`` as it is, or split over the cheapest (prefill, decode) pair of ``view``.
 
@@ -177,23 +220,31 @@ def split_or_not(
     The returned decision names the decode node as its destination and the prefill node in
     ``prefill``; its reason says which won and gives the runner-up's figures. With
     ``decode_serves_whole`` False and no node chosen (no ``both`` node live), the request is split
-    over the cheapest pair (``forced_split``).
+    over the cheapest pair (``forced_split``). ``answering_tokens``: node id -> the KV the answers
+    known to run there read every step (the replica's ledgers): the decode node's steps read it
+    while the split waits for one and computes its last token in the next. ``answering``: the
+    answers served whole (the replica's ledger, read at ``now``): a prefill node's short ones are
+    stalled by a split's prefill computed there.
     """
     chosen = decision.node
     if not declares_roles(view) or (chosen is None and decode_serves_whole):
         return decision
-    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory)
+    pairs = _Pairs(request, view, profile, answer_tokens=answer_tokens, answers=answers, link=link, memory=memory,
+                   answering_tokens=answering_tokens, answering=answering, now=now)
     if chosen is None:
         return forced_split(decision, pairs, view, link)
     agg_nv = next((nv for nv in view.nodes if nv.node.node_id == chosen.node_id), None)
     own = next((c for c in decision.candidates if c.node_id == chosen.node_id), None)
     if agg_nv is None or own is None:
         return decision
-    stall_s, transfer = pairs.stall_s, pairs.transfer
-    aggregated = own.score + pairs.decode_s(agg_nv) + stall_s(agg_nv, own.prefill_s) + blocked_s
+    transfer = pairs.transfer
+    stall = pairs.stall_s(agg_nv, own.prefill_s)
+    if agg_nv.node.role == "prefill" and answering:  # a short answer served whole there: others answering wait
+        stall += answering.stalled_s(chosen.node_id, now + own.total_s - own.prefill_s, now + own.total_s)
+    aggregated = own.score + pairs.decode_s(agg_nv) + stall + blocked_s
     # Splitting spares the decodes only a prefill that would stall them; any other split must
     # give a sooner first token (else it only moves the answer to a less busy decode node).
-    stalls = stall_s(agg_nv, own.prefill_s) > 0
+    stalls = stall > 0
     latest_first_token = own.total_s * (1.0 + ttft_slack) + tie_tolerance_s if stalls else own.total_s
     if delays_first_token is None:
         delays_first_token = blocked_s > 0
@@ -255,6 +306,7 @@ class _Pairs:
     def __init__(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *,
         answer_tokens: int, link: str, memory: MemoryPricing | None, answers: int = 1,
+        answering_tokens: Mapping[str, int] | None = None, answering: AnsweringContexts | None = None, now: float = 0.0,
     ) -> None:
         est = TtftEstimator(profile, request, link=link)
         n = self.prompt_tokens = request.prompt_tokens
@@ -270,12 +322,19 @@ class _Pairs:
             role = nv.node.role
             if role != "decode":
                 cached = est.cached_tokens(nv.cached_blocks)
-                prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, n - cached)
+                new = max(n - cached, 1)
+                prefill = est.prefill_s(cached) + est.stage_s(cached, nv.tier) + chunk_overhead_s(profile, new)
+                prefill += weights_pass_s(profile, new)
                 ready = est.queue_s(nv.load) + prefill
-                self.prefill_side.append(_Side(ready, self.stall_s(nv, prefill) + memory_s(nv), i, max(n - cached, 1)))
+                stall = self.stall_s(nv, prefill)
+                if role == "prefill" and answering:  # the short answers served whole there wait for it
+                    stall += answering.stalled_s(nv.node.node_id, now + ready - prefill, now + ready)
+                self.prefill_side.append(_Side(ready, stall + memory_s(nv), i, max(n - cached, 1)))
             if role != "prefill":
                 busy = est.queue_s(replace(nv.load, prefill_tokens=0))  # the batch's own step: waited on arrival
                 drain = est.queue_s(nv.load) - busy  # the prefill queued there: it runs while ours is computed
+                if answering_tokens and nv.load.inflight > 0:  # half the step in progress and ours read the answers' KV
+                    busy += 1.5 * profile.decode_step_per_context_token_s * answering_tokens.get(nv.node.node_id, 0)
                 self.decode_side.append(_Side(drain, self.decode_s(nv) + memory_s(nv), i, busy=busy))
         self.transfer = est.transfer_s(n)
         self.last_token = est.prefill_s(n)  # the decode node computes the prompt's last token itself

@@ -67,6 +67,7 @@ DEFAULT_TIE_TOLERANCE_S = 0.001
 DEFAULT_SESSION_SLACK = 0.25
 DEFAULT_SESSION_SLACK_LONG = 1.0
 DEFAULT_WORK_VALUE = 1.0
+DEFAULT_PREFILL_SERVES_WHOLE_TOKENS = 64  # answers this short may be served whole on a prefill node (gateway.policy.disagg)
 
 
 class KvgatePolicy:
@@ -93,6 +94,7 @@ class KvgatePolicy:
         session_slack_long: float = DEFAULT_SESSION_SLACK_LONG,
         churn_window_s: float = DEFAULT_CHURN_WINDOW_S,
         work_value: float = DEFAULT_WORK_VALUE,
+        prefill_serves_whole_tokens: int = DEFAULT_PREFILL_SERVES_WHOLE_TOKENS,
     ) -> None:
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
@@ -106,6 +108,8 @@ class KvgatePolicy:
             raise ValueError(f"memory_value must be a number >= 0 (0: memory is free), got {memory_value!r}")
         if isinstance(work_value, bool) or not isinstance(work_value, int | float) or not work_value >= 0:
             raise ValueError(f"work_value must be a number >= 0 (0: the fleet's work is free), got {work_value!r}")
+        if isinstance(prefill_serves_whole_tokens, bool) or not isinstance(prefill_serves_whole_tokens, int) or prefill_serves_whole_tokens < 0:
+            raise ValueError(f"prefill_serves_whole_tokens must be an integer >= 0 (0: never), got {prefill_serves_whole_tokens!r}")
         if not session_slack >= 0:
             raise ValueError(f"session_slack must be >= 0, got {session_slack!r}")
         if not split_ttft_slack >= 0:
@@ -133,6 +137,7 @@ class KvgatePolicy:
         self.pending_arrivals = PendingArrivals()  # split KV on its way to decode nodes: not to be blocked
         self.answering = AnsweringContexts()  # what answers served whole read per step (disaggregated fleets)
         self.work_value = float(work_value)  # prefill spent beyond the least, priced by how busy the fleet is
+        self.prefill_serves_whole_tokens = prefill_serves_whole_tokens  # a short answer may be served whole on a prefill node
 
     def decide(
         self, request: RoutingRequest, view: DirectoryView, profile: HardwareProfile, *, now: float,
@@ -244,9 +249,14 @@ class KvgatePolicy:
         added: dict[int, float] = {}
         self.answering.expire(now)
         for i, (nv, c) in enumerate(zip(nodes, costs, strict=True)):
+            node_id = nv.node.node_id
+            if nv.node.role == "prefill":  # its answers are short ones served whole: a prefill there stalls them
+                stalled = self.answering.stalled_s(node_id, now + c.total_s - c.prefill_s, now + c.total_s)
+                if stalled > 0:
+                    added[i] = stalled
+                continue
             if nv.load.inflight <= 0:
                 continue
-            node_id = nv.node.node_id
             context = self.pending_arrivals.landed_tokens(node_id, now, request.block_size)
             context += self.answering.context_tokens(node_id, now)
             new_tokens = max(request.prompt_tokens - est.cached_tokens(c.cached_blocks), 1)  # at least one, always
