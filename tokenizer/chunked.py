@@ -35,7 +35,7 @@ from tokenizer.segments import AddedTokenSplitter
 
 _Cut = tuple[int, int, int]  # (start, end, token id)
 
-LONG_CHUNK_CHARS = 4096
+LONG_CHUNK_CHARS = 1024
 """Chunks at least this long are cut on their own; a prompt with none is joined and cut as before."""
 
 _FINGERPRINT = 32  # characters of a chunk's head, middle and tail the memo is keyed by
