@@ -352,8 +352,11 @@ def rank_candidates(
         tied.sort(key=lambda i: load_rank(nodes[i], affinity))
     if len(tied) >= count or len(tied) == len(totals):
         return tied[:count]
-    others = (i for i, t in enumerate(totals) if t > floor)
-    return tied + heapq.nsmallest(count - len(tied), others, key=totals.__getitem__)
+    others = [i for i, t in enumerate(totals) if t > floor]
+    need = count - len(tied)
+    if len(others) <= need:  # a small fleet: what nsmallest returns, without its heap (~3 µs a decision)
+        return tied + sorted(others, key=totals.__getitem__)
+    return tied + heapq.nsmallest(need, others, key=totals.__getitem__)
 
 
 def pull_source(nodes: tuple[NodeView, ...]) -> NodeView | None:
