@@ -1,15 +1,15 @@
 """Hold a helper process stopped while requests are in flight, continue it once they are not.
 
 The background tokenizer's worker process runs in Linux's idle scheduling class, yet while it
-encodes (a core's worth for a second or more per long prompt) other requests' p99 rose by a few
-ms on a 2-vCPU virtual machine. The idle class yields the CPU, not the cache and memory bandwidth
-both vCPUs share: an idle-class process streaming memory or encoding on the other vCPU raised 1k
-chats' p99 by ~1–2 ms with nothing else running, a pure spin loop less. So the worker is stopped (``SIGSTOP``) from the moment
-a request reaches the routing core and continued (``SIGCONT``) only once no request has been in
-flight for ``resume_after_s`` — long enough to cover a request's way on through Envoy after its
-decision and the next one's arrival. A stopped worker blocks nothing on the request path: work
-handed to it waits in the executor's queues and pipes, whose feeding threads are not the event
-loop; its results come back when it runs again.
+encodes (a core's worth for a second or more per long prompt) other requests' p99 rose by a few ms
+on a 2-vCPU virtual machine. The idle class yields the CPU, not the cache and memory bandwidth both
+vCPUs share: an idle-class process streaming memory or encoding on the other vCPU raised 1k chats'
+p99 by ~1–2 ms with nothing else running, a pure spin loop less. So the worker is stopped
+(``SIGSTOP``) from the moment a request reaches the routing core and continued (``SIGCONT``) only
+once no request has been in flight for ``resume_after_s`` — long enough to cover a request's way on
+through Envoy after its decision and the next one's arrival. A stopped worker blocks nothing on the
+request path: work handed to it waits in the executor's queues and pipes, whose feeding threads are
+not the event loop; its results come back when it runs again.
 
 Why signals, not a flag the worker polls: the encode is one call into ``tokenizers`` (Rust) that
 cannot be interrupted from Python; stopping it is the only way to pause mid-prompt.
