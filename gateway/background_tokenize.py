@@ -15,14 +15,23 @@ one thread of this process: no second copy of the tokenizer (~230 MB), but conve
 arrays holds the GIL the loop needs, and ``tokenizers`` may run the encode on its own thread pool,
 which the thread's priority does not reach. ``kvgate bench overhead --prompt-tokens
 --background-worker`` measures both (see ``README.md``).
+
+The worker process is also held stopped while requests are in flight (``gateway.worker_pause``;
+``RoutingCore.route`` runs inside ``busy()``): even in the idle class its encoding raised other
+requests' p99 by several ms on a 2-vCPU virtual machine. It encodes when the gateway is idle; a
+gateway never idle for ``resume_after_s`` keeps the queued prompts waiting and drops (and counts)
+the ones beyond ``max_pending``, as above. A thread cannot be stopped: ``"thread"`` does not pause.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Literal
@@ -30,6 +39,7 @@ from typing import Literal
 import numpy as np
 
 from gateway import metrics
+from gateway.worker_pause import CAN_PAUSE, WorkerPause
 from tokenizer import PreparedPrompt, PromptTokenizer
 
 log = logging.getLogger("kvgate.background_tokenize")
@@ -62,8 +72,24 @@ def _lower_priority(*, idle: bool = False) -> None:
             pass
 
 
-def _start_child(source: str) -> None:
+def _die_with_parent(parent: int) -> bool:
+    """Linux: be killed when the process that started this one ends — even while stopped by
+    ``WorkerPause``, when a closing pipe would not reach it (nothing would ever continue it).
+    False where that cannot be asked for: such a worker is never stopped."""
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL)) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except (OSError, AttributeError):  # not Linux
+        return False
+    if os.getppid() != parent:  # the parent ended before the request took hold
+        os._exit(0)
+    return True
+
+
+def _start_child(source: str, parent: int, pausable: ctypes.c_byte) -> None:
     global _child_tokenizer
+    if _die_with_parent(parent):
+        pausable.value = 1  # from now on the parent may stop this process
     _lower_priority(idle=True)
     # encode on this niced thread, not on a pool of tokenizers' own (created at normal priority)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -78,14 +104,24 @@ def _encode_in_child(texts: list[str]) -> list[np.ndarray]:
 class BackgroundTokenizer:
     """Fills ``tokenizer``'s cache with prompts' missing pieces, at most ``max_pending`` at a time."""
 
-    def __init__(self, tokenizer: PromptTokenizer, *, worker: Worker = "process", max_pending: int = 4) -> None:
+    def __init__(
+        self, tokenizer: PromptTokenizer, *, worker: Worker = "process", max_pending: int = 4,
+        pause_while_busy: bool = True, resume_after_s: float = 0.02,
+    ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.tokenizer = tokenizer
         self.worker = worker
         self.max_pending = max_pending
+        self.pause_while_busy = pause_while_busy and CAN_PAUSE
+        self.pause = WorkerPause(resume_after_s, has_work=lambda: self._pending > 0)
         self._pending = 0
         self._executor: Executor | None = None  # started on first use
+        self._pausable: ctypes.c_byte | None = None  # the worker process's flag: set once it dies with this process
+
+    def busy(self) -> contextlib.AbstractContextManager[None]:
+        """A request is in flight for the block's duration: the worker process is held stopped."""
+        return self.pause.request() if self.pause_while_busy else contextlib.nullcontext()
 
     def submit(self, prepared: PreparedPrompt) -> bool:
         """Queue the prompt's missing pieces; False if the queue was full (dropped, counted)."""
@@ -106,6 +142,10 @@ class BackgroundTokenizer:
                 self.worker = "thread"
             return False
         self._pending += 1
+        if self.pause_while_busy and self._pausable is not None:
+            flag = self._pausable
+            for pid in getattr(self._executor, "_processes", None) or ():  # spawned by its first submit
+                self.pause.watch(pid, ready=lambda: flag.value == 1)
         metrics.BACKGROUND_TOKENIZE.labels("queued").inc()
         metrics.BACKGROUND_TOKENIZE_PENDING.inc()
         future.add_done_callback(lambda f: _call_soon(loop, self._finish, texts, f))
@@ -113,6 +153,8 @@ class BackgroundTokenizer:
 
     def close(self) -> None:
         """Stop the worker; what is still queued is dropped (it was only a cache fill)."""
+        self.pause.release()  # a stopped worker would never read the executor's request to exit
+        self._pausable = None
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._executor = None
@@ -120,9 +162,11 @@ class BackgroundTokenizer:
     def _start(self) -> Executor:
         if self._executor is None:
             if self.worker == "process":
+                spawn = multiprocessing.get_context("spawn")  # never fork a process running gRPC
+                self._pausable = spawn.RawValue("b", 0)  # no lock: the worker may be stopped at any instruction
                 self._executor = ProcessPoolExecutor(
-                    1, mp_context=multiprocessing.get_context("spawn"),  # never fork a process running gRPC
-                    initializer=_start_child, initargs=(str(self.tokenizer.source_path),),
+                    1, mp_context=spawn, initializer=_start_child,
+                    initargs=(str(self.tokenizer.source_path), os.getpid(), self._pausable),
                 )
             else:
                 self._executor = ThreadPoolExecutor(1, "kvgate-background-tokenize", initializer=_lower_priority)

@@ -214,9 +214,10 @@ class RoutingCore:
         start_ns = time.time_ns() if self.tracer is not None else 0
         try:
             hold: Hold = "until_release" if sees_response_end else "estimate"
-            result = await self._route(
-                path, body, request_id, hold=hold, session_header=session_header, retention_header=retention_header
-            )
+            with self.background.busy():  # its worker process is held stopped meanwhile
+                result = await self._route(
+                    path, body, request_id, hold=hold, session_header=session_header, retention_header=retention_header
+                )
         except asyncio.CancelledError:
             raise
         except Exception:  # fail open on anything we did not foresee, and say so
