@@ -194,3 +194,24 @@ async def test_a_released_split_and_answer_leave_the_ledgers_and_the_directory()
     assert a.policy.answering.context_tokens(w, whole.round.answer.start + 1e-6) == 0
     view = await directory.lookup([])
     assert answering(view, w) == 0 and all(nv.arrivals == () for nv in view.nodes)
+
+
+def test_a_simulated_fleet_serves_n_answers_and_its_ledgers_empty_as_requests_end() -> None:
+    """The simulator runs the request's end as the gateway does: when every request has answered,
+    no split arrival and no answer is left in the policy's ledgers (before, they stayed until
+    their estimated ends). Requests asking n answers are decoded and counted n times."""
+    from loadtest.sim.simulator import SimConfig, Simulator
+    from loadtest.sim.sync import run_now
+    from loadtest.workloads.mixed import mixed_workload
+
+    wl = mixed_workload(sessions=60, seed=2, multi_share=0.3)
+    sim = Simulator(wl, SimConfig(policy="kvgate", nodes=4, profile=PROFILE, roles=(1, 3), pull_link="rdma",
+                                  policy_options={"warmup_s": 0.0}), None)
+    res = sim.run()
+    assert res.records and all(r.ok for r in res.records)
+    many = [r for r in res.records if r.answers > 1]
+    assert many and all(r.output_tokens == r.answers * r.spec.body["max_tokens"] for r in many)
+    assert any(r.split for r in res.records)
+    policy = sim.policy
+    assert not policy.answering and not any(policy.pending_arrivals.arrivals(n.node_id) for n in sim.nodes)
+    assert all(load.inflight == 0 for load in run_now(sim.directory.loads()).values())

@@ -116,7 +116,8 @@ class Sidecar:
             log.warning("x-prefiller-host-port %r is not a configured prefiller: serving whole", prefiller)
             self.metrics.fallbacks.labels("untrusted_prefiller").inc()
             return None
-        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        # one first token of one answer: the prompt's KV is what the decode node fetches, its n answers decode there
+        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
         ask.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         try:
             async with asyncio.timeout(self.prefill_timeout_s):
