@@ -201,3 +201,21 @@ def test_a_request_body_nested_too_deep_for_the_sidecar_is_the_engines_to_answer
     status, _, raw = request(f"http://{fleet['echoing']}/v1/completions", method="POST", body=deep, headers=headers, timeout=30)
     assert status == 200, raw[:200]
     assert json.loads(raw)["body_len"] == len(deep)
+
+
+def test_a_split_request_asking_n_answers_prefills_one_and_decodes_n_here(fleet) -> None:
+    def generated(address: str) -> float:
+        _, _, raw = request(f"http://{address}/metrics")
+        m = re.search(r"^vllm:generation_tokens_total\S* (\S+)$", raw.decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    prompt = [t + 3 for t in PROMPT]
+    before = generated(fleet["prefill"]), generated(fleet["decode"])
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "n": 3}).encode()
+    headers = {"content-type": "application/json", "x-prefiller-host-port": fleet["prefill"]}
+    status, head, raw = request(f"http://{fleet['sidecar']}/v1/completions", method="POST", body=body, headers=headers, timeout=30)
+    answer = json.loads(raw)
+    assert status == 200 and head["x-kvgate-pull"] == "ok", answer
+    assert len(answer["choices"]) == 3 and answer["usage"]["completion_tokens"] == 24
+    assert generated(fleet["prefill"]) - before[0] == 1  # the prefill node sampled one first token
+    assert generated(fleet["decode"]) - before[1] == 24
