@@ -277,6 +277,7 @@ class Simulator:
         node = self.by_id[decision.node.node_id]
         if self.elastic is not None:
             self.elastic.record(request, ids, node.node_id, model)
+        # one gateway replica: what the policy shares with others (split arrivals, answers' contexts) is left out
         reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s,
                                                      requests=rnd.answers))  # fmt: skip
         ctx = _Ctx(session, replies, rec, sim, node, now, reservation, round=rnd)
