@@ -209,7 +209,7 @@ def test_a_split_request_asking_n_answers_prefills_one_and_decodes_n_here(fleet)
         m = re.search(r"^vllm:generation_tokens_total\S* (\S+)$", raw.decode(), re.M)
         return float(m.group(1)) if m else 0.0
 
-    prompt = [t + 3 for t in PROMPT]
+    prompt = [t + 31 for t in PROMPT]  # a prompt no other test sends
     before = generated(fleet["prefill"]), generated(fleet["decode"])
     body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "n": 3}).encode()
     headers = {"content-type": "application/json", "x-prefiller-host-port": fleet["prefill"]}
