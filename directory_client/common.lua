@@ -45,6 +45,13 @@ local function weight(m)
   return tonumber(string.match(m, '%*(%d+)|%d+$')) or 1
 end
 
+-- KV tokens each decode step of a request served whole reads on its node, while its reservation
+-- lasts: "token~c|prefill" or "token~c*n|prefill" c (before the weight: a script that predates it
+-- still reads the weight and prefill right), else 0
+local function context(m)
+  return tonumber(string.match(m, '~(%d+)')) or 0
+end
+
 -- retire what fell due in resv and return the node's load counters and the ms until the last
 -- queued prefill's first token is due (0 with nothing queued): a "p:token|prefill" member
 -- due means that request's first token is due (its prefill stops counting); a "token|prefill"
@@ -54,7 +61,7 @@ local function current_load(load, resv, now)
   local due = redis.call('ZRANGE', resv, '-inf', now, 'BYSCORE')
   if #due > 0 then
     redis.call('ZREMRANGEBYSCORE', resv, '-inf', now)
-    local ended, tokens = 0, 0
+    local ended, tokens, ctx = 0, 0, 0
     for i = 1, #due do
       local m = due[i]
       local n = tonumber(string.match(m, '|(%d+)$')) or 0
@@ -63,23 +70,31 @@ local function current_load(load, resv, now)
         tokens = tokens + n
       elseif head ~= 'x:' then  -- "x:": a release that came before its reserve (release.lua)
         ended = ended + weight(m)
+        ctx = ctx + context(m)
         -- prefill settles no later than its reservation ends, but never count it twice
         if redis.call('ZREM', resv, 'p:' .. m) == 1 then tokens = tokens + n end
       end
     end
     if ended > 0 then redis.call('HINCRBY', load, 'r', 0 - ended) end
+    if ctx > 0 then redis.call('HINCRBY', load, 'c', 0 - ctx) end
     -- "0 - x", not "-x": Lua's -0 reaches Redis as "-0", which HINCRBY rejects
     if tokens > 0 then redis.call('HINCRBY', load, 't', 0 - tokens) end
   end
   -- 'a': the latest end of a split arrival recorded on the node (reserve.lua), so that a lookup
-  -- reads the arrivals key only while one may be live (most nodes never have one)
-  local l = redis.call('HMGET', load, 'r', 't', 's', 'a')
-  local r, t = tonumber(l[1]) or 0, tonumber(l[2]) or 0
+  -- reads the arrivals key only while one may be live (most nodes never have one); 'c': the
+  -- context tokens the answers served whole there read per decode step (reserve.lua)
+  local l = redis.call('HMGET', load, 'r', 't', 's', 'a', 'c')
+  local r, t, c = tonumber(l[1]) or 0, tonumber(l[2]) or 0, tonumber(l[5]) or 0
   if r < 0 then r = 0 end
   if t < 0 then t = 0 end
+  if r == 0 and c ~= 0 then  -- nothing in flight, nothing answering: heals what a script that
+    redis.call('HSET', load, 'c', 0)  -- predates 'c' left counted (it retires members without it)
+    c = 0
+  end
+  if c < 0 then c = 0 end
   local due = 0
   if t > 0 then due = math.max((tonumber(l[3]) or now) - now, 0) end
-  return r, t, due, (tonumber(l[4]) or 0) > now
+  return r, t, due, (tonumber(l[4]) or 0) > now, c
 end
 
 -- split arrivals kept per decode node (directory_client.types.MAX_ARRIVALS_PER_NODE)
@@ -108,13 +123,14 @@ local function arrivals_view(arr, now)
 end
 
 -- one live node's answer, or nil when it is dead or unknown: {info, held, worst_tier, inflight,
--- prefill, indexed blocks in all (HLEN: O(1)), ms until the prefill is due, split arrivals}
+-- prefill, indexed blocks in all (HLEN: O(1)), ms until the prefill is due, split arrivals,
+-- context tokens of the answers served whole there}
 local function node_view(meta, blocks, load, resv, keys, n, now)
   local m = redis.call('HMGET', meta, 'info', 'until')
   if not m[1] or (tonumber(m[2]) or 0) <= now then return nil end
-  local r, t, due, arriving = current_load(load, resv, now)
+  local r, t, due, arriving, c = current_load(load, resv, now)
   local held, worst = held_prefix(blocks, keys, n)
   local arrivals = {}
   if arriving then arrivals = arrivals_view(arr_key(resv), now) end
-  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due, arrivals}
+  return {m[1], held, worst, r, t, redis.call('HLEN', blocks), due, arrivals, c}
 end

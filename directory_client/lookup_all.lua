@@ -3,7 +3,8 @@
 -- ARGV[3] (optional) a session's key, whose value (its node, or '') ends the reply.
 -- Per-node keys are built here rather than declared: allowed on a standalone Redis only
 -- (the cluster backend runs lookup_node.lua once per node instead).
--- Reply: flat {node_id, info, held, worst_tier, inflight, prefill_tokens, indexed_blocks, due_ms, arrivals, ...}.
+-- Reply: flat {node_id, info, held, worst_tier, inflight, prefill_tokens, indexed_blocks, due_ms, arrivals,
+-- context tokens, ...}.
 local now = now_ms()
 local ids = redis.call('ZRANGE', KEYS[1], '(' .. now, '+inf', 'BYSCORE')
 table.sort(ids)  -- byte order of UTF-8 = code point order = Python's sorted(str)
@@ -14,7 +15,7 @@ for i = 1, #ids do
   local v = node_view(base .. 'meta', base .. 'blocks', base .. 'load', base .. 'resv', keys, n, now)
   if v then
     out[#out + 1] = ids[i]
-    for j = 1, 8 do out[#out + 1] = v[j] end
+    for j = 1, 9 do out[#out + 1] = v[j] end
   end
 end
 if ARGV[3] then

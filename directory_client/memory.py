@@ -32,6 +32,7 @@ from directory_client.types import (
 )
 from directory_client.validate import (
     check_arrival,
+    check_context_tokens,
     check_durations,
     check_node,
     check_node_id,
@@ -78,23 +79,26 @@ class _Load:
     """Reservations on one node, each ending at its own time and settling its prefill at another.
 
     ``reservations`` maps a token to (end time, prefill still counted: 0 once its first token is
-    due, requests it counts: a request generating n answers counts n); tuples, not objects, so thousands held do not burden the garbage collector. Two heaps
+    due, requests it counts: a request generating n answers counts n, context tokens its decode
+    steps read: counted in ``context`` while it lasts); tuples, not objects, so thousands held do
+    not burden the garbage collector. Two heaps
     of (time, token) with lazy deletion: a released reservation's entries stay until their time
     or until garbage outnumbers the live entries, when the heaps are rebuilt.
     """
 
-    __slots__ = ("reservations", "ends", "settles", "inflight", "prefill", "due_at")
+    __slots__ = ("reservations", "ends", "settles", "inflight", "prefill", "due_at", "context")
 
     def __init__(self) -> None:
-        self.reservations: dict[str, tuple[float, int, int]] = {}
+        self.reservations: dict[str, tuple[float, int, int, int]] = {}
         self.ends: list[tuple[float, str]] = []
         self.settles: list[tuple[float, str]] = []
         self.inflight = 0
         self.prefill = 0
         self.due_at = 0.0  # latest first-token time of any prefill reserved (a bound: releases keep it)
+        self.context = 0
 
-    def add(self, token: str, prefill: int, settle_at: float, end_at: float, requests: int = 1) -> None:
-        self.reservations[token] = (end_at, prefill, requests)
+    def add(self, token: str, prefill: int, settle_at: float, end_at: float, requests: int = 1, context: int = 0) -> None:
+        self.reservations[token] = (end_at, prefill, requests, context)
         heapq.heappush(self.ends, (end_at, token))
         if prefill:
             heapq.heappush(self.settles, (settle_at, token))
@@ -102,6 +106,7 @@ class _Load:
                 self.due_at = settle_at
         self.inflight += requests
         self.prefill += prefill
+        self.context += context
 
     def remove(self, token: str) -> None:
         entry = self.reservations.pop(token, None)
@@ -109,6 +114,7 @@ class _Load:
             return
         self.inflight -= entry[2]
         self.prefill -= entry[1]
+        self.context -= entry[3]
         if len(self.ends) > 2 * len(self.reservations) + 64:  # mostly released entries: rebuild
             self.ends = [(entry[0], t) for t, entry in self.reservations.items()]
             heapq.heapify(self.ends)
@@ -122,12 +128,13 @@ class _Load:
             entry = res.get(token)
             if entry is not None and entry[1]:
                 self.prefill -= entry[1]
-                res[token] = (entry[0], 0, entry[2])
+                res[token] = (entry[0], 0, entry[2], entry[3])
         while ends and ends[0][0] <= now:
             entry = res.pop(heapq.heappop(ends)[1], None)  # tokens are unique: this is its end
             if entry is not None:
                 self.inflight -= entry[2]
                 self.prefill -= entry[1]
+                self.context -= entry[3]
 
     def view(self, now: float) -> NodeLoad:
         if not self.inflight:
@@ -415,6 +422,7 @@ class InProcessDirectory:
                     _IDLE if load is None else load.view(now),
                     len(blocks) * stride,
                     self._arrivals_at(nid, now) if nid in self._arrivals else (),
+                    0 if load is None or not load.inflight else load.context,
                 )
             )
         session_node = (self._session_node(session, now) or "") if session else ""
@@ -432,10 +440,12 @@ class InProcessDirectory:
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
         requests: int = 1,
+        context_tokens: int = 0,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         check_requests(requests)
+        check_context_tokens(context_tokens)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         if arrival is not None:
             arrival = check_arrival(arrival, self.max_request_s)
@@ -447,10 +457,11 @@ class InProcessDirectory:
         if if_inflight_at_most is not None and load.inflight > if_inflight_at_most:
             raise ReservationConflict(node_id, if_inflight_at_most)
         token = f"m{next(self._tokens)}|{prefill_tokens}"
-        load.add(token, prefill_tokens, now + settle_s, now + end_s, requests)
-        if arrival is not None:
-            self._add_arrival(node_id, arrival, now)
-        return Reservation(node_id, requests, prefill_tokens, token, arrival_recorded=arrival is not None)
+        load.add(token, prefill_tokens, now + settle_s, now + end_s, requests, context_tokens)
+        if arrival is None:
+            return Reservation(node_id, requests, prefill_tokens, token)
+        self._add_arrival(node_id, arrival, now)
+        return Reservation(node_id, requests, prefill_tokens, token, arrival_recorded=True, arrival_id=arrival.arrival_id)
 
     def _add_arrival(self, node_id: str, arrival: SplitArrival, now: float) -> None:
         """Keep the node's ``MAX_ARRIVALS_PER_NODE`` arrivals that end last (the Redis script's rule)."""
@@ -478,6 +489,9 @@ class InProcessDirectory:
         load = self._loads.get(reservation.node_id)
         if load is not None:
             load.remove(reservation.token)
+        held = self._arrivals.get(reservation.node_id)
+        if held and reservation.arrival_id:  # a released split has answered
+            held.pop(reservation.arrival_id, None)
 
     async def loads(self) -> dict[str, NodeLoad]:
         now = self._clock()

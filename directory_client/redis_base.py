@@ -9,16 +9,18 @@ live in one slot and one script can touch them together):
                             bridged -> the last writer-lease holder ("" once a lapse cleared its entries)
   P:{node}:blocks     hash  8-byte big-endian block key -> tier bitmask ("1".."7")
   P:{node}:load       hash  r -> in-flight requests, t -> reserved prefill tokens, a -> latest end of
-                            an arrival in arr (lookups read arr only while it is ahead)
+                            an arrival in arr (lookups read arr only while it is ahead), c -> KV
+                            tokens the decode steps of the requests served whole there read
   P:{node}:resv       zset  "token|prefill" -> when the reservation ends (ms) ("token*n|prefill":
-                            it counts n requests in flight, a request generating n answers), and, while its
+                            it counts n requests in flight, a request generating n answers;
+                            "token~c...": it counts c in the load's c while it lasts), and, while its
                             prefill counts, "p:token|prefill" -> when its first token is due;
                             "x:token|prefill" -> its end, for a reserve released before it ran
   P:{node}:hot        zset  msgpack [model, tokens] -> when the gateway last routed it (s, its clock)
   P:{node}:arr        zset  "id|blocks|lands" -> when its answer is estimated done (ms): split
                             requests whose KV is on its way to this decode node, written with the
-                            reserve, read by every lookup; at most MAX_ARRIVALS_PER_NODE, expiring
-                            (its scripts name it beside resv; never deleted, it expires)
+                            reserve, read by every lookup, removed by the release; at most
+                            MAX_ARRIVALS_PER_NODE, expiring (its scripts name it beside resv)
   {P}:draining        zset  node_id -> until when it takes no new requests (s, the drainer's clock)
 
 Deadlines use the server's clock (``TIME`` inside scripts), so gateway replicas with skewed
@@ -63,6 +65,7 @@ from directory_client.types import (
 )
 from directory_client.validate import (
     check_arrival,
+    check_context_tokens,
     check_durations,
     check_node,
     check_node_id,
@@ -460,7 +463,7 @@ class RedisDirectoryBase(ABC):
 
     @abstractmethod
     async def _fan_out(self, blob: bytes) -> list[tuple[str, Any]]:
-        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill, indexed, due_ms, arrivals])."""
+        """Per live node, sorted by id: (node_id, [info, held, worst_tier, inflight, prefill, indexed, due_ms, arrivals, context])."""
 
     async def lookup(self, keys: Sequence[BlockKey], session: str = "") -> DirectoryView:
         await self._check_config()
@@ -475,7 +478,7 @@ class RedisDirectoryBase(ABC):
         node = self._node
         views = []
         stride = self.sampler.stride
-        for _, (info, held, worst, inflight, prefill, indexed, due_ms, arrivals) in rows:
+        for _, (info, held, worst, inflight, prefill, indexed, due_ms, arrivals, context) in rows:
             views.append(
                 NodeView(
                     node(info),
@@ -484,6 +487,7 @@ class RedisDirectoryBase(ABC):
                     _load(inflight, prefill, due_ms),
                     indexed * stride,
                     _arrivals(arrivals) if arrivals else (),
+                    context,
                 )
             )
         return DirectoryView(tuple(views), blocks_for(len(kept), positions), session_node)
@@ -500,17 +504,20 @@ class RedisDirectoryBase(ABC):
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
         requests: int = 1,
+        context_tokens: int = 0,
     ) -> Reservation:
         check_node_id(node_id)
         check_prefill(prefill_tokens)
         check_requests(requests)
+        check_context_tokens(context_tokens)
         settle_s, end_s = reservation_times(first_token_s, hold_s, self.max_request_s)
         split: tuple[Any, ...] = ()
         if arrival is not None:
             a = check_arrival(arrival, self.max_request_s)
             split = (f"{a.arrival_id}|{a.blocks}", int(a.arrives_s * 1000), max(1, int(a.until_s * 1000)))
         await self._check_config()
-        weight = f"*{requests}" if requests > 1 else ""  # the scripts read it back: no caller can make counters drift
+        # the scripts read context and weight back: no caller can make counters drift
+        weight = (f"~{context_tokens}" if context_tokens else "") + (f"*{requests}" if requests > 1 else "")
         member = f"{self._client_id}-{next(self._tokens)}{weight}|{prefill_tokens}"
         nk = self._keys(node_id)
         limit = "" if if_inflight_at_most is None else int(if_inflight_at_most)
@@ -530,7 +537,8 @@ class RedisDirectoryBase(ABC):
         if taken == -1:
             raise ReservationConflict(node_id, if_inflight_at_most)
         if split and taken == 1:
-            return Reservation(node_id, requests, prefill_tokens, member, arrival_recorded=True)
+            aid = split[0].rsplit("|", 1)[0]
+            return Reservation(node_id, requests, prefill_tokens, member, arrival_recorded=True, arrival_id=aid)
         return reservation
 
     def _release_lost(self, reservation: Reservation, end_s: float) -> None:
@@ -559,8 +567,9 @@ class RedisDirectoryBase(ABC):
         if not reservation.token:
             return
         nk = self._keys(reservation.node_id)
+        split = ("", reservation.arrival_id) if reservation.arrival_id else ()
         async with self._io("release"):
-            await self._eval("release", (nk.load, nk.resv), (reservation.token,))
+            await self._eval("release", (nk.load, nk.resv), (reservation.token, *split))
 
     async def loads(self) -> dict[str, NodeLoad]:
         await self._check_config()

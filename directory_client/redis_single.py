@@ -120,7 +120,7 @@ class RedisDirectory(RedisDirectoryBase):
 
 
 def _rows(flat: list[Any]) -> list[tuple[str, Any]]:
-    return [(flat[i].decode(), flat[i + 1 : i + 9]) for i in range(0, len(flat), 9)]
+    return [(flat[i].decode(), flat[i + 1 : i + 10]) for i in range(0, len(flat), 10)]
 
 
 def _script_connections(max_connections: int) -> int:

@@ -1,6 +1,7 @@
 -- Take load on a node atomically: every replica's next lookup sees it.
 -- KEYS: load, resv (the node's arrivals key is named beside it); ARGV: member ("token|prefill", or
--- "token*n|prefill" for a request counting n in flight), prefill tokens, ms until the reservation ends
+-- "token*n|prefill" for a request counting n in flight; "token~c..." for a request served whole
+-- whose decode steps read c tokens of KV: counted in 'c' while it lasts), prefill tokens, ms until the reservation ends
 -- by itself, ms until its prefill stops counting, max in-flight ("" = take it whatever the load),
 -- and for a split whose KV is on its way here: "id|blocks", ms until it lands, ms until it ends.
 -- With a maximum this is compare-and-reserve: a replica that decided on a load another replica
@@ -27,6 +28,8 @@ if prefill > 0 then
   if due > (tonumber(redis.call('HGET', KEYS[1], 's')) or 0) then redis.call('HSET', KEYS[1], 's', due) end
 end
 redis.call('HINCRBY', KEYS[1], 'r', weight(ARGV[1]))
+local ctx = context(ARGV[1])
+if ctx > 0 then redis.call('HINCRBY', KEYS[1], 'c', ctx) end
 redis.call('HINCRBY', KEYS[1], 't', prefill)
 for k = 1, 2 do
   if redis.call('PEXPIRETIME', KEYS[k]) < ends then redis.call('PEXPIREAT', KEYS[k], ends) end

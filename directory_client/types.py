@@ -123,6 +123,9 @@ class NodeView:
     load: NodeLoad
     total_blocks: int = 0  # every block the node holds, any prompt (estimated: indexed keys × stride)
     arrivals: tuple[SplitArrival, ...] = ()  # splits any replica sent here, not yet done (decode nodes)
+    # KV tokens each decode step there reads for the requests served whole that any replica's
+    # reservation counted (``reserve(context_tokens=...)``), until released or ended
+    answering_tokens: int = 0
 
 
 @fast_frozen_init
@@ -155,6 +158,7 @@ class Reservation:
     token: str = field(default="")  # backend-specific handle (e.g. for expiry of leaked reservations)
     # the split arrival passed to ``reserve`` is in the directory (False: none, or not allowed to write it)
     arrival_recorded: bool = field(default=False, compare=False)
+    arrival_id: str = field(default="", compare=False)  # that arrival's id: ``release`` removes it
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,6 +239,7 @@ class Directory(Protocol):
         hold_s: float | None = None,
         arrival: SplitArrival | None = None,
         requests: int = 1,
+        context_tokens: int = 0,
     ) -> Reservation:
         """Count one request in flight on the node and ``prefill_tokens`` as its queued prefill.
 
@@ -245,9 +250,12 @@ class Directory(Protocol):
         raising ``ReservationConflict`` when the node has more in flight now. ``arrival``: the
         request is a split whose KV is on its way to this node; recorded in the same step (nothing
         if the reserve conflicts), returned in every lookup's ``NodeView.arrivals`` until its
-        ``until_s``, at most ``MAX_ARRIVALS_PER_NODE`` per node; it outlives a ``release``.
-        ``requests``: how many it counts in flight (a request generating n answers decodes n
-        sequences in the node's batch), given back together.
+        ``until_s``, at most ``MAX_ARRIVALS_PER_NODE`` per node, until a ``release`` (the split
+        has answered) removes it. ``requests``: how many it counts in flight (a request generating
+        n answers decodes n sequences in the node's batch), given back together.
+        ``context_tokens``: the KV each of its decode steps reads (a request served whole on a
+        decode node of a disaggregated fleet), added to the node's ``NodeView.answering_tokens``
+        while the reservation lasts.
         """
         ...
     async def release(self, reservation: Reservation) -> None: ...

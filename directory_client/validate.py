@@ -57,6 +57,15 @@ def check_requests(requests: int) -> int:
     return requests
 
 
+MAX_CONTEXT_TOKENS = 1 << 31  # a reservation's context: far above any answer batch's KV
+
+
+def check_context_tokens(tokens: int) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= MAX_CONTEXT_TOKENS:
+        raise ValueError(f"context_tokens must be an integer in [0, {MAX_CONTEXT_TOKENS}], got {tokens!r}")
+    return tokens
+
+
 def reservation_times(first_token_s: float | None, hold_s: float | None, max_request_s: float) -> tuple[float, float]:
     """(seconds until the prefill stops counting, seconds until the reservation ends by itself).
 
@@ -74,6 +83,9 @@ def check_reservation(reservation: Reservation) -> Reservation:
     if not isinstance(reservation, Reservation):
         raise ValueError(f"expected Reservation, got {type(reservation).__name__}")
     check_node_id(reservation.node_id)
+    aid = reservation.arrival_id
+    if aid and (not isinstance(aid, str) or len(aid) > MAX_ARRIVAL_ID or "|" in aid or not aid.isprintable()):
+        raise ValueError(f"arrival_id must be 1-{MAX_ARRIVAL_ID} printable chars without '|', got {aid!r}")
     return reservation
 
 

@@ -61,6 +61,7 @@ from gateway.decision_round import (
     answer_budget,
     answer_count,
     decide_round,
+    end_round,
     routing_request,
 )
 from gateway.elastic import DrainingNodes, HotRecorder
@@ -121,6 +122,7 @@ class RouteResult:
     service_s: float = 0.0  # ... and until the last token (for integrations that never see the end)
     sees_end: bool = True  # the caller releases it at the response end (else: held for service_s)
     released: bool = False
+    round: Round | None = None  # the decision round of a routed request (its ledger entries end with it)
 
 
 def error_body(status: int, message: str) -> bytes:
@@ -354,6 +356,8 @@ class RoutingCore:
         if view is not None and (
             view.answerable_blocks < 0 or any(nv.cached_blocks >= view.answerable_blocks for nv in view.nodes)
         ):
+            if decided.round is not None:  # asked again on the whole prompt: this round is not made
+                end_round(self.policy, decided.round)
             return None
         if view is not None:
             metrics.HEAD_DECISIONS.inc()
@@ -415,8 +419,8 @@ class RoutingCore:
         assert decided.round is not None
         rnd = decided.round
         reservation = None
-        if hold is None:  # explained, not routed: its split arrives nowhere
-            self._forget_arrival(rnd)
+        if hold is None:  # explained, not routed: its split arrives nowhere, it answers nowhere
+            end_round(self.policy, rnd)
         else:
             try:
                 reservation = await self._reserve(rnd, hold)
@@ -427,7 +431,7 @@ class RoutingCore:
                 again = await self._decide(request, keys, self._answer_tokens(req, request))
                 if again.failed is None:
                     assert again.round is not None
-                    self._forget_arrival(rnd)  # that split is not made: the new round stands
+                    end_round(self.policy, rnd)  # that split or answer is not made: the new round stands
                     rnd = again.round
                     try:
                         reservation = await self._reserve(rnd, hold, conditional=False)
@@ -438,6 +442,7 @@ class RoutingCore:
                 metrics.DIRECTORY_ERRORS.labels("reserve").inc()
             if rnd.shared is not None and (reservation is None or not reservation.arrival_recorded):
                 metrics.PD_ARRIVALS_UNSHARED.inc()  # this replica's ledger has it; the others do not
+            self._answer_held(rnd, reservation, hold)
             if rnd.decision.prefill is not None:
                 try:
                     await self._reserve_prefill(rnd.decision.prefill)
@@ -457,6 +462,7 @@ class RoutingCore:
         return RouteResult(
             "routed", headers=tuple(headers), decision=decision, reservation=reservation, timings=timings,
             request=request, ttft_s=rnd.ttft_s, service_s=rnd.service_s, sees_end=hold != "estimate",
+            round=rnd if hold is not None else None,
         )
 
     async def _decide(self, request: RoutingRequest, keys: np.ndarray, answer: tuple[int, int]) -> _Decided:
@@ -504,13 +510,22 @@ class RoutingCore:
                 hold_s=rnd.service_s if hold == "estimate" else None,
                 **({"arrival": rnd.shared} if rnd.shared is not None else {}),
                 **({"requests": rnd.answers} if rnd.answers > 1 else {}),  # its answers decode side by side
+                **({"context_tokens": rnd.context_tokens} if rnd.context_tokens else {}),  # what its decodes read
             )
         )
 
-    def _forget_arrival(self, rnd: Round) -> None:
-        """Take a split that will not be made out of the policy's ledger of arrivals."""
-        if rnd.arrival is not None:
-            self.policy.pending_arrivals.discard(rnd.arrival)
+    def _answer_held(self, rnd: Round, reservation: Reservation | None, hold: Hold) -> None:
+        """Tell the policy's ledger of answers whether, and until when, the directory counts this
+        request's answer for the other replicas (``gateway.policy.answering``)."""
+        answer = rnd.answer
+        if answer is None:
+            return
+        if reservation is None:  # not counted: this replica prices it alone
+            self.policy.answering.unshared(answer)
+            metrics.PD_ANSWERING_UNSHARED.inc()
+        elif hold == "until_release":  # counted until released, or the directory's ceiling
+            ceiling = getattr(self.directory, "max_request_s", self.limits.max_hold_s)
+            self.policy.answering.held(answer, self.clock() + ceiling)
 
     async def _reserve_prefill(self, plan: PrefillPlan) -> None:
         """A split request's prompt counts on its prefill node until the estimated end of that
@@ -547,6 +562,8 @@ class RoutingCore:
             metrics.INFLIGHT.dec()
         if result.reservation is not None:
             await self._give_back(result.reservation)
+        if result.round is not None:  # answered: no later decision prices it any more
+            end_round(self.policy, result.round)
 
     async def _give_back(self, reservation: Reservation) -> None:
         try:

@@ -22,6 +22,7 @@ import xxhash
 
 from directory_client.frozen import fast_frozen_init
 from directory_client.types import DirectoryView, NodeLoad, SplitArrival
+from gateway.policy.answering import Answer
 from gateway.policy.arrivals import Arrival, PendingArrivals
 from gateway.policy.disagg import aggregated_view, declares_roles, prefill_serves_whole, split_or_not
 from gateway.policy.kvgate import KvgatePolicy
@@ -59,6 +60,14 @@ class Round:
     # writes ``shared`` to the directory so that other replicas see it (``gateway.policy.arrivals``)
     arrival: Arrival | None = None
     shared: SplitArrival | None = None
+    # served whole on a node of a disaggregated fleet: the answer in the policy's ledger; the
+    # reservation counts its ``shared`` context for the other replicas (``gateway.policy.answering``)
+    answer: Answer | None = None
+
+    @property
+    def context_tokens(self) -> int:
+        """The context the reservation counts on the chosen node (0: none)."""
+        return self.answer.shared if self.answer is not None else 0
 
 
 def routing_request(
@@ -214,6 +223,8 @@ def decide_round(
     if arrivals is not None:
         arrivals.expire(now)
         arrivals.share(view, now)  # the other replicas' splits, from the directory
+        policy.answering.expire(now)
+        policy.answering.share(view, now)  # ... and the contexts their answers read
         view = arrivals.with_pending_memory(view, now)  # KV about to land takes memory there already
     whole_on_decode = not isinstance(policy, KvgatePolicy) or policy.decode_serves_whole
     splits = roles and isinstance(policy, KvgatePolicy) and policy.disaggregate  # balancers never split
@@ -247,10 +258,23 @@ def decide_round(
     n = request.prompt_tokens
     decode_s = answer_tokens * profile.decode_step_seconds(load.inflight + answers, n)
     service_s = min(ttft_s + decode_s, max_hold_s)
-    entry = None
+    entry = answer = None
     if decision.prefill is not None and arrivals is not None:  # on its way: later decisions must not block it
         entry = arrivals.add(node.node_id, now + decision.prefill.kv_arrives_s, request.total_blocks, until=now + service_s)
     elif splits:  # served whole: its answer's KV is read by every step there (gateway.policy.answering)
-        policy.answering.add(node.node_id, now + ttft_s, now + service_s, n, answer_tokens, keep=profile.max_num_seqs)
+        answer = policy.answering.add(
+            node.node_id, now + ttft_s, now + service_s, n, answer_tokens, answers, keep=profile.max_num_seqs
+        )
     shared = PendingArrivals.for_directory(entry, now) if entry is not None else None
-    return Round(decision, load, max(n - decision.expected_cached_tokens, 0), ttft_s, service_s, answers, entry, shared)
+    prefill = max(n - decision.expected_cached_tokens, 0)
+    return Round(decision, load, prefill, ttft_s, service_s, answers, entry, shared, answer)
+
+
+def end_round(policy: Any, rnd: Round) -> None:
+    """The request of ``rnd`` is over (its response ended, or it is not made after all: explained
+    only, or decided again): its split arrival and its answer leave the policy's ledgers, so no
+    later decision prices them until their estimated end."""
+    if rnd.arrival is not None:
+        policy.pending_arrivals.discard(rnd.arrival)
+    if rnd.answer is not None:
+        policy.answering.discard(rnd.answer)

@@ -252,6 +252,12 @@ PD_ARRIVALS_UNSHARED = Counter(
     "allowed the arrivals key): this replica's decisions see it, other replicas' do not",
     registry=REGISTRY,
 )
+PD_ANSWERING_UNSHARED = Counter(
+    "kvgate_pd_answering_unshared",
+    "Requests served whole on a node of a disaggregated fleet whose context the directory did not count "
+    "(down or slow): this replica's decisions price what their decodes read, other replicas' do not",
+    registry=REGISTRY,
+)
 RESERVATION_CONFLICTS = Counter(
     "kvgate_reservation_conflicts",
     "Decisions taken again because another replica loaded the chosen node between lookup and reserve",

@@ -21,7 +21,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prefix hit reported by the engine (local + pulled)
     pulled_tokens: int = 0  # of those, fetched from another node before prefill
-    output_tokens: int = 0
+    output_tokens: int = 0  # every answer's (``usage.completion_tokens``: n answers, n times one's)
     reply: str = ""
     seen_tokens: int = 0  # prefix an earlier request of the run had already sent (filled after the run)
     engine_ttft_s: float | None = None  # the engine's part of the TTFT (simulated engines' debug header)
@@ -29,11 +29,18 @@ class RequestRecord:
     split: bool = False  # prefilled on a prefill node, decoded here (disaggregated; its prompt's KV counts as pulled)
 
     @property
+    def answers(self) -> int:
+        """Answers the request asked for (``n``), decoded side by side."""
+        n = self.spec.body.get("n")
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+    @property
     def tpot_s(self) -> float | None:
-        """Time per output token after the first (None with fewer than two tokens)."""
-        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+        """Time per output token of an answer after its first (None with fewer than two tokens)."""
+        per_answer = self.output_tokens // self.answers
+        if self.ttft_s is None or self.e2e_s is None or per_answer < 2:
             return None
-        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+        return (self.e2e_s - self.ttft_s) / (per_answer - 1)
 
     @property
     def ok(self) -> bool:

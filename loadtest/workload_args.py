@@ -27,6 +27,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         "default 4), agents (agentic, default 2) or sessions (mixed, default 6)")
     g.add_argument("--sessions", type=int, default=None,
                    help="memchat: conversations (default 3000); agentic: agents (default 2000); mixed: sessions (default 400)")
+    g.add_argument("--multi-share", type=float, default=None,
+                   help="mixed: fraction of sessions asking n=2-4 answers a turn (default 0.1; 0: none)")
     g.add_argument("--as-text", action="store_true",
                    help="memchat, agentic: send every prompt as chat text (one word a token) rather than token IDs, "
                         "so text-only routers (sglang) run the same sessions")
@@ -59,6 +61,8 @@ def build_workload(args: argparse.Namespace, tokenizer: PromptTokenizer | None) 
         return as_text(built, tokenizer)
     if args.workload == "mixed":
         sized = {"sessions": args.sessions} if args.sessions else {}
+        if getattr(args, "multi_share", None) is not None:
+            sized["multi_share"] = args.multi_share
         return mixed_workload(model=args.model, seed=args.seed, **sized, **({"rate_per_s": args.rate} if args.rate else {}))
     if args.workload == "trace":
         records = load_trace(args.trace, limit=args.trace_limit)

@@ -199,7 +199,7 @@ async def test_debug_blocks_carry_kvgate_keys_and_reset_clears(start_engine, htt
         ("/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "not a valid token ID"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "at least 1"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}, 400, "maximum context length"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "'n'"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n must be"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream"),
         ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "'messages'"),
         ("/v1/chat/completions", {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "The model `gpt-9` does not exist."),
@@ -365,3 +365,21 @@ async def test_streamed_answer_says_the_engines_share_of_the_ttft(start_engine) 
         assert r.ok and r.ttft_s is not None and r.engine_ttft_s is not None, r.error
         assert 0.0 < r.engine_ttft_s <= r.ttft_s
     assert rec.engine_inflight == 0 and second.engine_inflight == 1
+
+
+async def test_n_answers_come_as_n_choices_counted_in_the_usage(start_engine, http) -> None:  # type: ignore[no-untyped-def]
+    base, engine = await start_engine()
+    body = {"model": MODEL, "prompt": "Three drafts of one sentence, please. " * 10, "max_tokens": 6, "n": 3}
+    status, _, answer = await post(http, f"{base}/v1/completions", body)
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2] and all(c["text"] for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == 18  # 3 answers of 6 tokens
+    assert engine.scheduler.counters.generation_tokens == 18 and engine.scheduler.counters.prompt_tokens == answer["usage"]["prompt_tokens"]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "two answers"}], "max_tokens": 4, "n": 2, "stream": True}
+    async with http.post(f"{base}/v1/chat/completions", json=chat) as resp:
+        assert resp.status == 200
+        raw = (await resp.read()).decode()
+    chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
+    finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
+    assert sorted(finished) == [0, 1]

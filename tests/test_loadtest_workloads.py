@@ -226,3 +226,21 @@ def test_agentic_as_text_is_the_same_token_stream_in_chat_messages(tok: PromptTo
             assert np.array_equal(first[sid][:n], first[group[0]][:n])
         others = [sid for g in by_prompt.values() if g is not group for sid in g]
         assert all(not np.array_equal(first[sid][1:17], first[group[0]][1:17]) for sid in others)
+
+
+def test_a_share_of_mixed_sessions_asks_several_answers_and_zero_leaves_the_rest_as_it_was() -> None:
+    from dataclasses import replace
+
+    from loadtest.workloads.mixed import mixed_workload
+
+    w = mixed_workload(sessions=400, seed=3)
+    plain = mixed_workload(sessions=400, seed=3, multi_share=0.0)
+    asking = [s for s in w.sessions if s.answers > 1]
+    assert 20 <= len(asking) <= 60 and {s.answers for s in asking} <= {2, 3, 4}  # ~10% of 400
+    assert {s.session_id.split("-")[0] for s in asking} == {"doc", "gen", "chat"}
+    for s in asking:
+        assert all(s.request(t, []).body["n"] == s.answers for t in range(1, s.turns + 1))
+    assert all("n" not in s.request(1, []).body for s in plain.sessions)
+    assert [replace(s, answers=1) for s in w.sessions] == list(plain.sessions)  # the same sessions otherwise
+    with pytest.raises(ValueError, match="multi_share"):
+        mixed_workload(multi_share=1.5)

@@ -29,10 +29,24 @@ async def test_a_split_arrival_reserved_by_one_client_is_in_another_clients_look
     assert seen.arrival_id == "rA-1" and seen.blocks == 120
     assert 0.1 < seen.arrives_s <= 0.2501 and 0.45 < seen.until_s <= 0.6001  # times from this lookup
     assert arrivals(view, "d2") == ()
-    await writer.release(r)  # the response ended: the arrival stays until its estimated end
-    assert [a.arrival_id for a in arrivals(await reader.lookup([]), "d1")] == ["rA-1"]
     await backend.sleep(0.7)
     assert arrivals(await reader.lookup([]), "d1") == ()  # gone by itself: no replica has to remove it
+    await writer.release(r)  # after its end: nothing left to remove, nothing else touched
+    assert (await reader.lookup([])).nodes[0].load.inflight == 0
+
+
+async def test_a_released_split_leaves_the_arrivals_at_once_and_only_it(backend: Backend) -> None:
+    writer, reader = backend.make(), backend.make()
+    await writer.register_node(node("d1"))
+    r1 = await writer.reserve("d1", 0, arrival=SplitArrival("rA-1", 0.2, 120, 30.0))
+    r2 = await writer.reserve("d1", 0, arrival=SplitArrival("rA-12", 0.2, 80, 30.0))  # its id starts like r1's
+    assert r1.arrival_id == "rA-1" and r2.arrival_id == "rA-12"
+    await writer.release(r1)  # the response ended: the split has answered, long before its estimate
+    assert [a.arrival_id for a in arrivals(await reader.lookup([]), "d1")] == ["rA-12"]
+    await writer.release(r1)  # idempotent
+    await writer.release(r2)
+    view = await reader.lookup([])
+    assert arrivals(view, "d1") == () and view.nodes[0].load.inflight == 0
 
 
 async def test_a_node_keeps_only_the_arrivals_that_end_last(backend: Backend) -> None:

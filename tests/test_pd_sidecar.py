@@ -231,3 +231,21 @@ def test_a_sidecar_is_told_which_prefill_nodes_it_may_call(tmp_path) -> None:
         done = subprocess.run([sys.executable, "-m", "gateway.cli", "pd-sidecar", "--port", str(free_port()),
                                "--engine", "http://127.0.0.1:1", *extra], capture_output=True, text=True, timeout=30)  # fmt: skip
         assert done.returncode != 0 and says in done.stderr, (done.returncode, done.stderr[-300:])
+
+
+def test_a_split_request_asking_n_answers_prefills_one_and_decodes_n_here(fleet) -> None:
+    def generated(address: str) -> float:
+        _, _, raw = request(f"http://{address}/metrics")
+        m = re.search(r"^vllm:generation_tokens_total\S* (\S+)$", raw.decode(), re.M)
+        return float(m.group(1)) if m else 0.0
+
+    prompt = [t + 31 for t in PROMPT]  # a prompt no other test sends
+    before = generated(fleet["prefill"]), generated(fleet["decode"])
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": True, "n": 3}).encode()
+    headers = {"content-type": "application/json", "x-prefiller-host-port": fleet["prefill"]}
+    status, head, raw = request(f"http://{fleet['sidecar']}/v1/completions", method="POST", body=body, headers=headers, timeout=30)
+    answer = json.loads(raw)
+    assert status == 200 and head["x-kvgate-pull"] == "ok", answer
+    assert len(answer["choices"]) == 3 and answer["usage"]["completion_tokens"] == 24
+    assert generated(fleet["prefill"]) - before[0] == 1  # the prefill node sampled one first token
+    assert generated(fleet["decode"]) - before[1] == 24

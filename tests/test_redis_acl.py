@@ -287,6 +287,9 @@ async def test_a_gateway_shares_a_splits_arrival_and_an_older_user_still_reserve
     r = await gateway.reserve("e1", 0, arrival=SplitArrival("g1-1", 0.2, 50, 5.0))
     assert r.arrival_recorded
     assert [a.arrival_id for a in (await gateway.lookup(KEYS)).nodes[0].arrivals] == ["g1-1"]
+    gone = await gateway.reserve("e1", 0, arrival=SplitArrival("g1-0", 0.2, 50, 5.0))
+    await gateway.release(gone)  # the shipped user removes a released split's arrival
+    assert [a.arrival_id for a in (await gateway.lookup(KEYS)).nodes[0].arrivals] == ["g1-1"]
     old_rule = (
         "%R~kvgate:* %R~{kvgate}:* ~kvgate:{*}:meta ~kvgate:{*}:load ~kvgate:{*}:resv ~kvgate:session:* ~{kvgate}:* "
         "-@all +ping +info +script|load +evalsha +time +exists +get +set +del +hget +hmget +hlen +hexists +hset "
@@ -301,6 +304,13 @@ async def test_a_gateway_shares_a_splits_arrival_and_an_older_user_still_reserve
         view = await older.lookup(KEYS)
         assert view.nodes[0].load.inflight == 2  # both reserved
         assert [a.arrival_id for a in view.nodes[0].arrivals] == ["g1-1"]  # read, not written
+        await older.release(r)  # its load is given back; the arrival it may not remove expires by itself
+        view = await older.lookup(KEYS)
+        assert view.nodes[0].load.inflight == 1 and [a.arrival_id for a in view.nodes[0].arrivals] == ["g1-1"]
+        r3 = await older.reserve("e1", 0, context_tokens=9_000)  # the answers' context lives in the load key
+        assert (await older.lookup(KEYS)).nodes[0].answering_tokens == 9_000
+        await older.release(r3)
+        assert (await older.lookup(KEYS)).nodes[0].answering_tokens == 0
     finally:
         with admin(acl_redis) as adm:  # the shipped rule back, for the tests after this one
             line = next(ln for ln in ACL_FILE.read_text().splitlines() if ln.startswith("user kvgate-gateway "))

@@ -140,7 +140,8 @@ class Sidecar:
         """The prefill node's ``kv_transfer_params`` for ``body``, or None (counted) to serve it whole."""
         if not self.callable_prefiller(prefiller):
             return None
-        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+        # one first token of one answer: the prompt's KV is what the decode node fetches, its n answers decode there
+        ask = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens", "n")}
         ask.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         try:
             async with asyncio.timeout(self.prefill_timeout_s):

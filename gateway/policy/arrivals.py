@@ -11,12 +11,15 @@ node after the split was decided, was being prefilled there: 1.3–2.0 s against
 
 ``PendingArrivals`` is the gateway replica's ledger of those arrivals. Each entry is a decode
 node, the time the KV lands, the blocks it brings and when its answer is estimated done; it is
-dropped then. Replicas share them through the directory: a split's arrival is written with its
+dropped then, or when the request ends first (``gateway.decision_round.end_round``: the response
+is over, or the split is not made after all). Replicas share them through the directory: a split's arrival is written with its
 decode node's reservation (``Directory.reserve(arrival=...)``, same round trip) and every lookup
 returns each node's arrivals (``NodeView.arrivals``), so before deciding, ``share`` adds the other
 replicas' arrivals from the view to this one's (its own, recognised by id, counted once). With the
-directory down or refusing the write, the replica's own ledger still holds its splits
-(``kvgate_pd_arrivals_unshared_total`` counts those the others cannot see). A node keeps its
+directory down or refusing the write, the replica's own ledger still holds its splits: the
+request is routed all the same, and its KV lands there whatever the directory knows
+(``kvgate_pd_arrivals_unshared_total`` counts those the others cannot see; the write is not tried
+again: a split's life is seconds). Its release removes the directory's copy as well. A node keeps its
 ``MAX_ARRIVALS_PER_NODE`` arrivals ending last, the directory's rule: every decision reads them
 all, and a client sending splits faster (each held until its estimated end, up to minutes) must
 not make each decision slower (unbounded, 4,000 held: ~4 ms a decision instead of ~0.3).

@@ -245,7 +245,8 @@ class KvgatePolicy:
     ) -> tuple[dict[int, float], dict[int, float]]:
         """(``ranked`` charged, index -> seconds) the decodes running on each candidate add to its
         prefill (``gateway.policy.whole.interference_s``; the KV they read: the splits answering there
-        and the answers this replica served whole there, ``gateway.policy.answering``)."""
+        and the answers served whole there, this replica's and, through the directory, the others',
+        ``gateway.policy.answering``)."""
         added: dict[int, float] = {}
         self.answering.expire(now)
         for i, (nv, c) in enumerate(zip(nodes, costs, strict=True)):

@@ -10,8 +10,8 @@ KV read. A decode node runs the answers of what the prefill nodes computed as we
 so this is no rounding error there: a 22.6k-token document beside 25 decodes took 22 ms longer
 than estimated (simulate, mixed, 4P+4D, seed 5). ``interference_s`` prices it from what the
 gateway knows, the node's in-flight count and the contexts answering there: the prompts of the
-splits (the ledger, ``gateway.policy.arrivals``) and the contexts of the answers this replica
-served whole there (``gateway.policy.answering``); the policy charges it in the ranking (not in
+splits (the ledger, ``gateway.policy.arrivals``) and the contexts of the answers served whole
+there (``gateway.policy.answering``, shared by the replicas); the policy charges it in the ranking (not in
 the estimate a reservation holds).
 
 **The tail is served where its first token comes soonest.** The policy's ranking also charges

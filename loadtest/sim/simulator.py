@@ -41,7 +41,7 @@ import numpy as np
 from directory_client.memory import InProcessDirectory
 from directory_client.sampling import DEFAULT_INDEX_STRIDE
 from directory_client.types import DirectoryView, NodeInfo, NodeLoad, NodeView, Reservation, Tier
-from gateway.decision_round import Round, answer_tokens, decide_round, routing_request
+from gateway.decision_round import Round, answer_budget, decide_round, end_round, routing_request
 from gateway.profile import HardwareProfile
 from gateway.types import PrefillPlan
 from loadtest.accounting import SeenBlocks, hit_cap_blocks
@@ -95,6 +95,7 @@ class _Ctx:
     reservation: Reservation | None
     pulled_blocks: int = 0
     decode: _Ctx | None = None  # a split request's prefill: the decode that follows it
+    round: Round | None = None  # the gateway's decision round: its ledger entries end with the request
 
 
 @dataclass
@@ -254,8 +255,9 @@ class Simulator:
             return
         reply = self.sampler.reply(ids, opts.max_tokens, ignore_eos=opts.ignore_eos, min_tokens=opts.min_tokens)
         sim = SimRequest.create(
-            f"{spec.session_id}/{turn}", ids, reply, block_size=bs, root_hash=self.root, key_seed=self.key_seed, arrival=now
-        )
+            f"{spec.session_id}/{turn}", ids, reply, block_size=bs, root_hash=self.root, key_seed=self.key_seed, arrival=now,
+            answers=opts.answers,
+        )  # fmt: skip
         cap = hit_cap_blocks(n, bs)
         rec.seen_tokens = min(self.prompt_seen.observe(sim.keys[:prompt_blocks]), cap) * bs
 
@@ -264,7 +266,8 @@ class Simulator:
         view = self._view(sim, keys)
         request = routing_request(model, ids, keys, block_size=bs, seed=self.key_seed, request_id=sim.request_id)
         draining = self.elastic.draining() if self.elastic is not None else frozenset()
-        rnd = decide_round(self.policy, request, view, self.profile, now=now, answer_tokens=answer_tokens(spec.body),
+        tokens, answers = answer_budget(spec.body)
+        rnd = decide_round(self.policy, request, view, self.profile, now=now, answer_tokens=tokens, answers=answers,
                            draining=draining)  # fmt: skip
         self.decision_s.append(time.perf_counter() - t0)
         decision = rnd.decision
@@ -274,8 +277,10 @@ class Simulator:
         node = self.by_id[decision.node.node_id]
         if self.elastic is not None:
             self.elastic.record(request, ids, node.node_id, model)
-        reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s))
-        ctx = _Ctx(session, replies, rec, sim, node, now, reservation)
+        # one gateway replica: what the policy shares with others (split arrivals, answers' contexts) is left out
+        reservation = run_now(self.directory.reserve(node.node_id, rnd.prefill_tokens, first_token_s=rnd.ttft_s,
+                                                     requests=rnd.answers))  # fmt: skip
+        ctx = _Ctx(session, replies, rec, sim, node, now, reservation, round=rnd)
         if decision.prefill is not None:
             self._prefill_first(ctx, decision.prefill, ids)
             return
@@ -415,9 +420,11 @@ class Simulator:
         rec.node = ctx.node.node_id
         rec.cached_tokens = max(r.cached_tokens, 0)
         rec.pulled_tokens = min(ctx.pulled_blocks * self.bs, rec.cached_tokens)
-        rec.output_tokens = r.generated
+        rec.output_tokens = r.generated * r.answers
         if ctx.reservation is not None:
             run_now(self.directory.release(ctx.reservation))
+        if ctx.round is not None:  # as RoutingCore.release: answered, no later decision prices it
+            end_round(self.policy, ctx.round)
         self.records.append(rec)
         self.last_finish = max(self.last_finish, now)
         if on_request:

@@ -57,6 +57,7 @@ class StreamSession:
     model: str
     max_tokens: int
     shared_segments: int = 0  # how many of ``segments`` other sessions share (a system prompt)
+    answers: int = 1  # ``n`` of every turn: answers generated side by side
 
     @property
     def turns(self) -> int:
@@ -66,7 +67,9 @@ class StreamSession:
         if not 1 <= turn <= self.turns:
             raise ValueError(f"turn {turn} out of 1..{self.turns}")
         ids = stream_tokens(self.segments, self.lengths[turn - 1])
-        body = {"model": self.model, "max_tokens": self.max_tokens, "ignore_eos": True}
+        body: dict[str, object] = {"model": self.model, "max_tokens": self.max_tokens, "ignore_eos": True}
+        if self.answers > 1:
+            body["n"] = self.answers
         return RequestSpec(self.session_id, turn, COMPLETIONS_PATH, body, ids)
 
     def think_s(self, turn: int) -> float:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+MAX_ANSWERS = 256  # the most answers (``n``) one request may ask of the simulated engine
+
 DEFAULT_MAX_TOKENS = 16
 """Reply length when a request gives no ``max_tokens``: OpenAI's completions default. (vLLM's chat
 default is "the rest of the context", which would make a simulated node decode for minutes.)"""
@@ -49,6 +51,7 @@ class GenerationOptions:
     include_usage: bool
     ignore_eos: bool
     min_tokens: int
+    answers: int = 1  # ``n``: answers generated side by side
 
 
 def _int_field(body: dict[str, Any], name: str) -> int | None:
@@ -80,8 +83,8 @@ def generation_options(
 ) -> GenerationOptions:
     """Validate the generation options of a body whose prompt has ``prompt_tokens`` tokens."""
     n = _int_field(body, "n")
-    if n is not None and n != 1:
-        raise bad_request(f"'n' must be 1 on the simulated engine, got {n}")
+    if n is not None and not 1 <= n <= MAX_ANSWERS:
+        raise bad_request(f"n must be in [1, {MAX_ANSWERS}], got {n}.")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list)):
         raise bad_request("the simulated engine serves one prompt per request; got a batch of prompts")
@@ -117,7 +120,7 @@ def generation_options(
         if not stream:
             raise bad_request("Stream options can only be defined when `stream=True`.")
         include_usage = _bool_field(opts, "include_usage", False)
-    return GenerationOptions(max_tokens, stream, include_usage, _bool_field(body, "ignore_eos", False), min_tokens)
+    return GenerationOptions(max_tokens, stream, include_usage, _bool_field(body, "ignore_eos", False), min_tokens, n or 1)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -130,20 +133,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_response(
-    rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict[str, Any]
+    rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict[str, Any], answers: int = 1
 ) -> dict[str, Any]:
+    """The answer to a completion; ``answers`` choices (``n``), each the same text: the simulated
+    reply depends on the prompt only."""
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
+        "choices": [
+            {"index": k, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}
+            for k in range(answers)
+        ],
         "usage": usage_,
     }
 
 
 def chat_response(
-    rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict[str, Any]
+    rid: str, created: int, model: str, text: str, finish_reason: str, usage_: dict[str, Any], answers: int = 1
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -152,26 +160,27 @@ def chat_response(
         "model": model,
         "choices": [
             {
-                "index": 0,
+                "index": k,
                 "message": {"role": "assistant", "content": text, "tool_calls": []},
                 "logprobs": None,
                 "finish_reason": finish_reason,
                 "stop_reason": None,
             }
+            for k in range(answers)
         ],
         "usage": usage_,
     }
 
 
 def completion_chunk(
-    rid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool
+    rid: str, created: int, model: str, text: str, finish_reason: str | None, include_usage: bool, index: int = 0
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
+        "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason, "stop_reason": None}],
     }
     if include_usage:
         chunk["usage"] = None
@@ -179,14 +188,15 @@ def completion_chunk(
 
 
 def chat_chunk(
-    rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool
+    rid: str, created: int, model: str, delta: dict[str, Any], finish_reason: str | None, include_usage: bool,
+    index: int = 0,
 ) -> dict[str, Any]:
     chunk: dict[str, Any] = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
     }
     if include_usage:
         chunk["usage"] = None

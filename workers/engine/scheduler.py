@@ -23,6 +23,14 @@ Policy, as in vLLM V1 (FCFS, chunked prefill always on):
   the front of the queue. No request is admitted in a step that preempted.
 * Full blocks are cached as soon as a step computes them, prompt and reply alike; the last
   sampled token never gets KV (it is never fed back), as in vLLM.
+* A request asking for ``n`` answers (``SimRequest.answers``) computes its prompt once and then
+  decodes ``n`` sequences side by side, as vLLM's ``n`` does: its children share the prompt's full
+  blocks, each decodes its own answer in blocks of its own (from the prompt's last full block on).
+  Each decode step carries ``n`` tokens and reads ``n`` contexts, every answer is as long as the
+  reply (the simulated reply depends on the prompt only), and the answers beyond the first hold
+  their blocks privately until the request ends (not cached: nobody continues from them; a chat
+  goes on from the first choice). Not modelled: the few tokens of the prompt's partial last block
+  each child recomputes.
 
 A discrete-event driver may ask for several decode steps at once (``schedule(now, max_steps=k)``):
 a batch that only decodes, and would neither reserve nor cache a block, finish a request, nor
@@ -79,6 +87,8 @@ class SimRequest:
     in_step: bool = False
     lora: str | None = None  # the key namespace, published with its blocks' events
     cache_salt: str | None = None
+    answers: int = 1  # sequences decoded side by side (the request's ``n``)
+    extra: int = 0  # private blocks reserved for the answers beyond the first
 
     @classmethod
     def create(
@@ -93,6 +103,7 @@ class SimRequest:
         arrival: float,
         lora: str | None = None,
         cache_salt: str | None = None,
+        answers: int = 1,
     ) -> SimRequest:
         """Hash every block that can ever hold KV: the prompt and all reply tokens but the last."""
         tokens = np.concatenate([np.asarray(prompt_ids, dtype=np.uint32), reply.token_ids.astype(np.uint32)])
@@ -101,7 +112,7 @@ class SimRequest:
         keys = block_keys(with_kv, block_size=block_size, seed=key_seed)
         return cls(
             request_id, tokens, len(prompt_ids), len(reply.token_ids), reply.finish_reason, list(hashes), keys, arrival,
-            lora=lora, cache_salt=cache_salt,
+            lora=lora, cache_salt=cache_salt, answers=answers,
         )  # fmt: skip
 
     @property
@@ -112,6 +123,14 @@ class SimRequest:
     @property
     def finished(self) -> bool:
         return self.state is State.FINISHED
+
+    def extra_blocks(self, tokens: int, block_size: int) -> int:
+        """Blocks the answers beyond the first hold once the sequence has KV for ``tokens``
+        tokens: each its own from the prompt's last full block on (0 with one answer)."""
+        if self.answers <= 1:
+            return 0
+        shared = self.num_prompt // block_size * block_size
+        return (self.answers - 1) * -(-max(tokens - shared, 0) // block_size)
 
 
 @dataclass(slots=True)
@@ -206,6 +225,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens or profile.max_num_batched_tokens
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.running_seqs = 0  # sequences the running requests decode: what ``max_num_seqs`` bounds
         self.requests: dict[str, SimRequest] = {}
         self.counters = SchedulerCounters()
 
@@ -251,8 +271,9 @@ class Scheduler:
             r = self.running[i]
             n = min(r.known_tokens - r.num_computed, budget)
             need = -(-(r.num_computed + n) // bs) - len(r.held) - r.private
-            if need > 0:
-                while not cache.reserve(need):
+            extra = r.extra_blocks(r.num_computed + n, bs) - r.extra if r.answers > 1 else 0
+            if need + extra > 0:
+                while not cache.reserve(need + extra):
                     victim = self.running[-1]
                     self._preempt(victim, now)
                     preempted = True
@@ -261,25 +282,30 @@ class Scheduler:
                 if r.state is not State.RUNNING:
                     break
                 r.private += need
+                r.extra += extra
             items.append((r, n))
-            budget -= n
+            budget -= n * r.answers if r.generated and r.num_computed == r.known_tokens - 1 else n  # decoding: a token per answer
             i += 1
 
         if not preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while self.waiting and budget > 0 and self.running_seqs < self.max_num_seqs:
                 r = self.waiting[0]
+                if self.running and self.running_seqs + r.answers > self.max_num_seqs:
+                    break  # its answers do not all fit in the batch (alone, it runs whatever its n)
                 known = r.known_tokens
                 hashes = r.hashes[: min((known - 1) // bs, len(r.hashes))]
                 hit = cache.match(hashes)
                 matched = hashes[:hit]
                 need = -(-known // bs) - hit
-                if not cache.can_reserve(need, pinning=matched):
+                extra = r.extra_blocks(known, bs)
+                if not cache.can_reserve(need + extra, pinning=matched):
                     break
                 cache.pin(matched, now)
-                cache.reserve(need)
+                cache.reserve(need + extra)
                 self.waiting.popleft()
                 r.held = list(matched)
                 r.private = need
+                r.extra = extra
                 r.num_computed = hit * bs
                 if r.cached_tokens < 0:
                     r.cached_tokens = hit * bs
@@ -288,6 +314,7 @@ class Scheduler:
                     self.counters.prompt_tokens += r.num_prompt
                 r.state = State.RUNNING
                 self.running.append(r)
+                self.running_seqs += r.answers
                 n = min(known - r.num_computed, budget)
                 items.append((r, n))
                 budget -= n
@@ -299,8 +326,8 @@ class Scheduler:
         for r, n in items:
             r.in_step = True
             if r.generated and n == 1 and r.num_computed == r.known_tokens - 1:
-                decode_seqs += 1
-                decode_ctx += r.num_computed + 1
+                decode_seqs += r.answers  # each answer decodes a token and reads its own context
+                decode_ctx += r.answers * (r.num_computed + 1)
             else:
                 prefill_tokens += n
                 pairs += prefill_pairs(n, r.num_computed)
@@ -331,6 +358,9 @@ class Scheduler:
             c = r.num_computed  # tokens with KV before this run; the run computes c .. c+steps-1
             held = len(r.held)
             quiet = min(r.num_reply - r.generated, (held + r.private) * bs - c)  # no reservation after step 1
+            if r.answers > 1:  # nor for the other answers: each fills its blocks as the first does
+                per = r.extra // (r.answers - 1)
+                quiet = min(quiet, r.num_prompt // bs * bs + per * bs - c)
             if held < len(r.hashes):
                 quiet = min(quiet, (held + 1) * bs - c)  # the step completing block held+1 caches it
             if quiet < steps:
@@ -353,10 +383,10 @@ class Scheduler:
             self._cache_full_blocks(r, now)
             if run > 1:  # each step of the run sampled one token
                 r.generated += run - 1
-                self.counters.generation_tokens += run - 1
+                self.counters.generation_tokens += (run - 1) * r.answers
             if r.num_computed == r.known_tokens:
                 r.generated += 1
-                self.counters.generation_tokens += 1
+                self.counters.generation_tokens += r.answers
                 if r.first_token_at is None:
                     r.first_token_at = now
                 done = r.generated >= r.num_reply
@@ -386,13 +416,15 @@ class Scheduler:
 
     def _release(self, r: SimRequest, now: float) -> None:
         self.cache.unpin(r.held, now)
-        self.cache.release_private(r.private)
+        self.cache.release_private(r.private + r.extra)
         r.held = []
         r.private = 0
+        r.extra = 0
 
     def _finish(self, r: SimRequest, now: float, reason: str) -> None:
         if r.state is State.RUNNING:
             self.running.remove(r)
+            self.running_seqs -= r.answers
             self._release(r, now)
         r.state = State.FINISHED
         r.finished_at = now
@@ -401,6 +433,7 @@ class Scheduler:
 
     def _preempt(self, r: SimRequest, now: float) -> None:
         self.running.remove(r)
+        self.running_seqs -= r.answers
         self._release(r, now)
         r.num_computed = 0
         r.state = State.WAITING

@@ -215,6 +215,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         arrival=time.monotonic(),
         lora=tp.lora,
         cache_salt=tp.cache_salt,
+        answers=opts.answers,
     )
     source, blocks = remote_prefill_source(body) or (request.headers.get(PULL_SOURCE_HEADER), request.headers.get(PULL_BLOCKS_HEADER))
     pull = await engine.pulls.prepare(sim, source, blocks)
@@ -223,13 +224,13 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         if opts.stream:
             return await _stream(request, engine, stream, pull, chat=chat, include_usage=opts.include_usage,
-                                 inflight=inflight)
+                                 inflight=inflight)  # fmt: skip
         while not stream.finished:
             await stream.wait_change()
         text = engine.tokenizer.decode(_reply_ids(sim, sim.generated))
-        use = usage(n_prompt, sim.generated, sim.cached_tokens)
+        use = usage(n_prompt, sim.generated * sim.answers, sim.cached_tokens)
         shape = chat_response if chat else completion_response
-        answer = shape(rid, engine.created, cfg.model, text, sim.finish_reason, use)
+        answer = shape(rid, engine.created, cfg.model, text, sim.finish_reason, use, sim.answers)
         if wants_remote_decode(body):
             answer["kv_transfer_params"] = remote_decode_params(engine.transfer, cfg.node_id, n_prompt // cfg.profile.block_size)
         return _json(answer, headers=_headers(engine, sim, pull))
@@ -272,8 +273,10 @@ async def _stream(
         headers[INFLIGHT_HEADER] = str(inflight)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
     await resp.prepare(request)
+    answers = range(sim.answers)  # each choice streams the same text (one reply per prompt)
     if chat:
-        await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage)))
+        for k in answers:
+            await resp.write(_sse(chat_chunk(rid, created, model, {"role": "assistant", "content": ""}, None, include_usage, k)))
     sent_text = ""
     while True:
         done = stream.finished
@@ -281,16 +284,17 @@ async def _stream(
         delta, sent_text = text[len(sent_text) :], text
         reason = sim.finish_reason if done else None
         if delta or done:
-            if chat:
-                chunk = chat_chunk(rid, created, model, {"content": delta} if delta else {}, reason, include_usage)
-            else:
-                chunk = completion_chunk(rid, created, model, delta, reason, include_usage)
-            await resp.write(_sse(chunk))
+            for k in answers:
+                if chat:
+                    chunk = chat_chunk(rid, created, model, {"content": delta} if delta else {}, reason, include_usage, k)
+                else:
+                    chunk = completion_chunk(rid, created, model, delta, reason, include_usage, k)
+                await resp.write(_sse(chunk))
         if done:
             break
         await stream.wait_change()
     if include_usage:
-        use = usage(sim.num_prompt, sim.generated, sim.cached_tokens)
+        use = usage(sim.num_prompt, sim.generated * sim.answers, sim.cached_tokens)
         await resp.write(_sse(usage_chunk(rid, created, model, chat=chat, usage_=use)))
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
