@@ -206,7 +206,7 @@ def test_a_simulated_fleet_serves_n_answers_and_its_ledgers_empty_as_requests_en
 
     wl = mixed_workload(sessions=60, seed=2, multi_share=0.3)
     sim = Simulator(wl, SimConfig(policy="kvgate", nodes=4, profile=PROFILE, roles=(1, 3), pull_link="rdma",
-                                  policy_options={"warmup_s": 0.0}), None)
+                                  policy_options={"warmup_s": 0.0, "prefill_serves_whole_tokens": 0}), None)
     res = sim.run()
     assert res.records and all(r.ok for r in res.records)
     many = [r for r in res.records if r.answers > 1]
