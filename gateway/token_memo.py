@@ -246,6 +246,8 @@ class TokenMemo:
                     i -= 1  # the token goes on in this body: the one before is the last shared
                 if i >= 0 and (best is None or (i + 1) * STRIDE > best[0]):
                     best = ((i + 1) * STRIDE, int(kept.cuts[i]), kept_id)
+                    if best[1] >= rung - _WINDOW:
+                        break  # what this rung was filed for is reused: no other body does much better
             if compares >= MAX_COMPARES or (best is not None and best[1] >= rung - _WINDOW):
                 break  # what this rung was filed for is reused: no shorter rung does better
         if best is None:

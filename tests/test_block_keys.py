@@ -112,7 +112,7 @@ from tokenizer.keys import PrefixKeyCache  # noqa: E402
     base=st.lists(st.integers(0, 2**32 - 1), max_size=400),
     extensions=st.lists(st.lists(st.integers(0, 2**32 - 1), max_size=120), min_size=1, max_size=4),
     block_size=st.sampled_from([1, 4, 16]),
-    segment_blocks=st.sampled_from([1, 2, 5]),
+    segment_blocks=st.sampled_from([1, 2, 5, 16]),
     seed=st.integers(0, 2**64 - 1),
 )
 def test_prefix_key_cache_equals_block_keys(base, extensions, block_size, segment_blocks, seed):
@@ -139,6 +139,21 @@ def test_prefix_key_cache_reuses_the_history_of_a_chat():
     assert cache.hits == 8  # the history's segments were found, not re-keyed
     cache.block_keys([1] + history[1:], block_size=16, seed=7)  # a different first token
     assert cache.hits == 8  # nothing after a changed token is reused
+
+
+def test_a_fresh_prompt_is_keyed_without_a_lookup_a_piece_and_its_siblings_still_hit():
+    """After its first keyed piece a fresh prompt's pieces are not looked up one eighth at a time
+    (2 groups: at most the first segment's 8 eighths, 16 segments, 2 groups keyed, not 256
+    eighths); the segments of a group keyed at once are kept, so a prompt that diverges inside
+    it finds those before the divergence."""
+    rng = np.random.default_rng(3)
+    history = rng.integers(0, 2**32, 16 * 2048, dtype=np.uint64).astype(np.uint32)
+    cache = PrefixKeyCache(segment_blocks=64, max_segments=4096, group=16)
+    assert cache.block_keys(history, block_size=16, seed=9).tolist() == block_keys(history, block_size=16, seed=9)
+    assert cache.misses <= 8 + 16 + 2 and cache.hits == 0
+    sibling = np.concatenate([history[: 16 * 1500], rng.integers(0, 2**32, 16 * 300, dtype=np.uint64).astype(np.uint32)])
+    assert cache.block_keys(sibling, block_size=16, seed=9).tolist() == block_keys(sibling, block_size=16, seed=9)
+    assert cache.hits >= 1 + 7  # group 0, then segments 16-22 of group 1 (blocks 1024-1471)
 
 
 def test_prefix_key_cache_is_bounded():
