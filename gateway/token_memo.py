@@ -1,31 +1,32 @@
-"""JSON decoding of a ``/v1/completions`` body whose prompt is a long array of token IDs, without
-building a Python int for each ID, and without parsing again the IDs of a body seen before.
+"""JSON decoding of a ``/v1/completions`` body whose prompt is a long array of token IDs that
+repeats a body seen before, without parsing the repeat.
 
-At 128k tokens such a prompt is ~0.9 MB of digits: a whole ``msgspec`` decode builds a list of
-128k ints (~2.5–4 ms here) that the tokenizer then copies into an array (~1 ms). Here the array's
-bytes are read by numpy instead (``_parse``): the separators are found in one pass, every byte is
-accounted for by counts (digits, commas, the spaces after them), and each number is read from the
-8 bytes before its end in a few uint64 operations. What this accepts is exactly a JSON array of
-decimal integers below 10**8 (no sign, fraction, exponent or leading zero; ``,`` followed by the
-same number of spaces each time, no other whitespace); anything else, a valid body of another
-shape included, is declined (``decode`` returns None) and decoded whole by the caller, so every
-error reads as before.
+An agent resending its growing token-ID history each turn sends ~0.9 MB of digits at 128k
+tokens; a whole ``msgspec`` decode builds a list of 128k ints (~3 ms here) that the tokenizer
+then copies into an array (~0.5 ms). The next turn's body begins with the bytes of the previous
+one up to the end of one of its tokens. ``TokenMemo`` keeps recent long token-ID bodies with
+their IDs (uint32) and where every ``STRIDE``-th token ends; a body that starts with the very
+bytes of a kept one up to such an end (``bytes.startswith``: a memcmp, ~15 µs for 0.9 MB) takes
+those IDs and parses only the rest (``_parse``, numpy).
 
-The rest of the body is decoded by msgspec with the array stood in by ``[0]``: JSON is
-context-free, so once the array's inside is known to be a valid list of numbers, the body is
-valid iff the stand-in is, and decodes the same but for the array. That the array found is the
-top-level ``prompt`` (not one inside a string or a nested object, nor one a later ``prompt`` key
-replaces) is checked by where msgspec finds the stand-in's ``prompt`` value.
+What ``_parse`` accepts is exactly ``number (, spaces number)*``: decimal integers below 10**8
+(no sign, fraction, exponent or leading zero), a comma and the same number of spaces between
+them; anything else (a valid body of another shape included) is decoded whole, so every error
+reads as before. The rest of the body is decoded by msgspec with the array stood in by ``[0``
+plus what follows it: JSON is context-free, so once the new IDs are known to be valid, the body
+is valid iff the stand-in is, and decodes the same but for the array; that a later ``prompt``
+key does not replace the array is checked by where msgspec finds the stand-in's ``prompt``.
+A body seen the first time is decoded whole by msgspec (a numpy parse of the whole array was
+measured slower: ~4.7 ms against ~3.2 ms at 128k); its IDs are validated as ``parse_request``
+validates a list, and handed on as a read-only uint32 array, so they are converted once.
 
-A resent, growing token-ID prompt (an agent that sends its whole history each turn) starts with
-the bytes of a kept body up to the end of one of its tokens: ``TokenMemo`` keeps recent long
-bodies with their IDs and where every ``STRIDE``-th token ends, finds the kept body sharing the
-longest byte prefix (``bytes.startswith``: a memcmp, ~15 µs for 0.9 MB), takes its IDs up to the
-last such end before the first differing byte and parses only the rest. Kept bodies are found by
-xxh3 of the 2 kB before their 32nd, 64th, 128th… kB (a key only names candidates: the byte
-comparison decides). Bounded by bytes (LRU): a kept body is charged its bytes, its IDs, its ends
-and ``OVERHEAD``. At most ``MAX_COMPARES`` kept bodies are compared per body, so a miss costs at
-most that many memcmps of the body beside the parse. Used from the event loop only.
+Kept bodies are found by xxh3 of the 2 kB before their 32nd, 64th, 128th… kB (a key only names
+candidates: the byte comparison decides). Where a kept body's tokens end is worked out when it is
+first a candidate (one numpy pass over its array), and carried over to the bodies continuing it.
+Bounded by bytes (LRU): a kept body is charged its bytes, its IDs, its ends and ``OVERHEAD``. Per
+body, at most ``MAX_COMPARES`` kept ones are compared, each no longer than twice the body, so a
+client cannot make a body cost more than a few passes over its own length beside its decode.
+Used from the event loop only (not thread-safe).
 """
 
 from __future__ import annotations
@@ -39,16 +40,23 @@ import msgspec
 import numpy as np
 import xxhash
 
+from tokenizer.errors import InvalidPrompt
+from tokenizer.openai_body import token_ids_array
+
 MIN_BYTES = 32 << 10  # shorter bodies (~5k tokens) are decoded whole: numpy's calls cost more than msgspec's below
 LADDER_TOP = 64 << 20
 STRIDE = 16  # a kept body's IDs are reused up to the end of a token whose index + 1 is a multiple of this
 BUCKET = 8  # kept bodies filed under one rung key (the most recent ones)
 MAX_COMPARES = 3  # kept bodies compared with a body, at most
+MAX_LONGER = 2  # kept bodies longer than this many times a body are not worked out for it
 MAX_SPACES = 4  # spaces after each comma accepted (json.dumps puts one)
 OVERHEAD = 1024  # bytes charged a kept body beyond its arrays (its objects, index entries, head)
 _WINDOW = 2048
 _CHUNK = 64 << 10  # bytes compared at a time while looking for the first difference
 _PROMPT = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*\[')
+_FEW_BYTES = 4096
+_FEW_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,7})(?:[ \t\n\r]*,[ \t\n\r]*(?:0|[1-9][0-9]{0,7}))*")  # JSON's own grammar
+_NUMBER = re.compile(rb"[0-9]+")
 _OPEN = b'{"prompt":[0'
 _ARRAY_AT = len(b'{"prompt":')
 _ZEROS = np.uint64(0x3030303030303030)
@@ -65,10 +73,17 @@ def _address(buffer: Any) -> int:
 
 def _parse(body: bytes, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
     """``body[start:stop]`` as ``number (, spaces number)*``: the numbers (uint32) and where each
-    ends (exclusive, in ``body``); None when it is anything else."""
+    ends (exclusive, in ``body``); None when it is anything else. A few bytes are read by a regex
+    (numpy's ~25 calls cost ~60 µs however short the input), more in a few numpy passes."""
     length = stop - start
     if length <= 0:
         return None
+    if length <= _FEW_BYTES:
+        if _FEW_IDS.fullmatch(body, start, stop) is None:
+            return None
+        found = list(_NUMBER.finditer(body, start, stop))
+        return (np.array([int(m.group()) for m in found], dtype=np.uint32),
+                np.array([m.end() for m in found], dtype=np.int64))
     seg = np.frombuffer(body, dtype=np.uint8, count=length, offset=start)
     commas = np.flatnonzero(seg == 44)
     spaces_after = 0
@@ -125,16 +140,86 @@ def _rungs(body: bytes) -> list[tuple[int, int]]:
 
 
 @dataclass(slots=True)
+class _Store:
+    """IDs shared by the kept bodies of one growing prompt: each holds a read-only view of its
+    first tokens; a body that goes on where the longest one ends writes past ``used`` (its views
+    never change) instead of copying them all (a 512 kB copy cost ~50–270 µs in fresh pages)."""
+
+    arr: np.ndarray  # uint32; read-only for a body decoded whole (it is the array handed on)
+    used: int
+
+
+@dataclass(slots=True)
 class _Kept:
-    """A decoded token-ID body: its bytes, the fields before its array (decoded), its IDs and
-    where every ``STRIDE``-th token ends."""
+    """A decoded token-ID body: its bytes and IDs; once worked out, the fields before its array
+    (decoded) and where every ``STRIDE``-th token ends (``cuts`` None: not yet; empty: unusable)."""
 
     data: bytes
     keys: list[tuple[int, int]]
-    head: dict[str, Any]
     ids: np.ndarray
-    cuts: np.ndarray  # int64: the end of tokens STRIDE-1, 2*STRIDE-1, ...
+    store: _Store
+    head: dict[str, Any] | None = None
+    cuts: np.ndarray | None = None  # int64: the end of tokens STRIDE-1, 2*STRIDE-1, ...
     cost: int = 0
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def _as_ids(prompt: Any) -> np.ndarray | None:
+    """A decoded flat token-ID prompt as a read-only uint32 array, validated as ``parse_request``
+    validates a list (the vocabulary aside: it checks that on the array); None: anything else."""
+    if type(prompt) is not list or not prompt or type(prompt[0]) is not int:
+        return None
+    try:
+        ids = token_ids_array(prompt, vocab_size=1 << 32, where="'prompt'")
+    except InvalidPrompt:
+        return None  # the list stays: parse_request words the error
+    ids.setflags(write=False)
+    return ids
+
+
+def _extend(kept: _Kept, tokens: int, new: np.ndarray) -> _Store:
+    """A store whose first ``tokens + len(new)`` IDs are ``kept``'s first ``tokens`` and ``new``:
+    ``kept``'s own when what it holds past ``tokens`` is ``new``'s beginning (a prompt going on
+    where its last body ended) and there is room; else a copy with room to grow."""
+    store, end = kept.store, tokens + len(new)
+    overlap = min(store.used, end) - tokens
+    if store.arr.flags.writeable and end <= len(store.arr) and np.array_equal(store.arr[tokens : tokens + overlap], new[:overlap]):
+        if end > store.used:
+            store.arr[store.used : end] = new[overlap:]
+            store.used = end
+        return store
+    arr = np.empty(end + max(end // 4, 4096), dtype=np.uint32)
+    arr[:tokens] = kept.ids[:tokens]
+    arr[tokens:end] = new
+    return _Store(arr, end)
+
+
+def _work_out(kept: _Kept) -> None:
+    """Where the kept body's array lies, the fields before it, and where its tokens end."""
+    kept.cuts = _NONE
+    data = kept.data
+    found = _PROMPT.search(data)
+    if found is None:
+        return
+    at = found.end() - 1
+    close = data.find(b"]", at)
+    if close < 0:
+        return
+    stand_in = data[: at + 1] + b"0" + data[close:]
+    try:
+        array = _raw_fields(stand_in).get("prompt")
+        if array is None or _address(array) - _address(stand_in) != at or bytes(array) != b"[0]":
+            return  # the first prompt array is not the one decoded (nested, or replaced)
+        head = _decode(data[:at] + b"0}")
+    except (msgspec.DecodeError, RecursionError):
+        return
+    commas = np.flatnonzero(np.frombuffer(data, dtype=np.uint8, count=close - at - 1, offset=at + 1) == 44)
+    if len(commas) != len(kept.ids) - 1:
+        return
+    kept.head = head
+    kept.cuts = commas[STRIDE - 1 :: STRIDE] + (at + 1)
 
 
 def _first_difference(body: bytes, data: bytes, limit: int) -> int:
@@ -145,18 +230,23 @@ def _first_difference(body: bytes, data: bytes, limit: int) -> int:
     while pos < limit:
         end = min(pos + _CHUNK, limit)
         if not body.startswith(view[pos:end], pos):
-            a = np.frombuffer(body, dtype=np.uint8, count=min(end, len(body)) - pos, offset=pos)
-            b = np.frombuffer(data, dtype=np.uint8, count=len(a), offset=pos)
-            differ = np.flatnonzero(a != b)
-            return pos + int(differ[0]) if len(differ) else pos + len(a)
+            while end - pos > 64:  # halve the chunk that differs: memcmps, no copies
+                mid = (pos + end) // 2
+                if body.startswith(view[pos:mid], pos):
+                    pos = mid
+                else:
+                    end = mid
+            while pos < end and pos < len(body) and body[pos] == data[pos]:
+                pos += 1
+            return pos
         pos = end
     return limit
 
 
 class TokenMemo:
-    """``decode`` returns ``msgspec.json.decode(body)`` with a flat token-ID ``prompt`` as a
-    read-only uint32 array, or None (decode the body whole): not such a body, or not one this
-    reads exactly (see the module's docstring)."""
+    """``decode`` equals ``msgspec.json.decode`` of a long body with a ``prompt`` array, a flat
+    token-ID prompt handed on as a read-only uint32 array; such bodies that repeat a kept one up
+    to a token's end parse only what follows."""
 
     def __init__(self, *, max_bytes: int = 64 << 20) -> None:
         if max_bytes < 0:
@@ -168,7 +258,7 @@ class TokenMemo:
         self._next_id = 0
         self.hits = 0
         self.misses = 0
-        self.declined = 0
+        self.worked_out_bytes = 0  # bytes of kept bodies scanned for their token ends, in all
         self.reused_tokens = 0
         self.compared_bytes = 0  # bytes memcmp'd against kept bodies, in all (bounded per body)
 
@@ -176,54 +266,30 @@ class TokenMemo:
     def held_bytes(self) -> int:
         return self._bytes
 
-    def decode(self, body: bytes) -> dict[str, Any] | None:
-        if len(body) < MIN_BYTES:
-            return None
-        found = _PROMPT.search(body)
-        if found is None:
+    def decode(self, body: bytes) -> Any:
+        """The body's JSON value, a flat token-ID prompt as a read-only uint32 array; raises what
+        ``msgspec.json.decode`` raises. None: not a long token-ID body (decode it as any other)."""
+        if len(body) < MIN_BYTES or _PROMPT.search(body) is None:
             return None
         keys = _rungs(body) if self.max_bytes else []
-        value = self._continue(body, keys) if self._kept else None
-        if value is not None:
-            self.hits += 1
-            return value
-        value = self._fresh(body, found.end() - 1, keys)
-        if value is None:
-            self.declined += 1
-        else:
-            self.misses += 1
+        if self._kept:
+            value = self._continue(body, keys)
+            if value is not None:
+                self.hits += 1
+                return value
+        value = _decode(body)
+        self.misses += 1
+        ids = _as_ids(value.get("prompt")) if isinstance(value, dict) else None
+        if ids is not None:
+            value["prompt"] = ids
+            if keys:
+                self._keep(_Kept(body, keys, ids, _Store(ids, len(ids))))
         return value
 
     def clear(self) -> None:
         self._kept.clear()
         self._index.clear()
         self._bytes = 0
-
-    # -- a body read without the memo
-
-    def _fresh(self, body: bytes, at: int, keys: list[tuple[int, int]]) -> dict[str, Any] | None:
-        close = body.find(b"]", at)
-        if close < 0:
-            return None
-        parsed = _parse(body, at + 1, close)
-        if parsed is None:
-            return None
-        ids, ends = parsed
-        stand_in = body[: at + 1] + b"0" + body[close:]
-        try:
-            fields = _raw_fields(stand_in)
-            array = fields.get("prompt")
-            if array is None or _address(array) - _address(stand_in) != at or bytes(array) != b"[0]":
-                return None  # not the top-level prompt, or a later one replaces it
-            value = {name: ids if name == "prompt" else _decode(raw) for name, raw in fields.items()}
-            head = _decode(body[:at] + b"0}") if keys else {}
-        except (msgspec.DecodeError, RecursionError):
-            return None
-        ids.setflags(write=False)
-        value["prompt"] = ids
-        if keys:
-            self._keep(_Kept(body, keys, head, ids, ends[STRIDE - 1 :: STRIDE].copy()))
-        return value
 
     # -- a kept body continued
 
@@ -237,8 +303,16 @@ class TokenMemo:
                 if kept is None or kept_id in tried or compares >= MAX_COMPARES:
                     continue
                 tried.add(kept_id)
+                if kept.cuts is None:
+                    if len(kept.data) > MAX_LONGER * len(body):
+                        continue
+                    _work_out(kept)
+                    self.worked_out_bytes += len(kept.data)
+                assert kept.cuts is not None
+                if not len(kept.cuts):
+                    continue
                 compares += 1
-                limit = min(len(body), int(kept.cuts[-1]) + 1) if len(kept.cuts) else 0
+                limit = min(len(body), int(kept.cuts[-1]) + 1)
                 differ = _first_difference(body, kept.data, limit)
                 self.compared_bytes += differ
                 i = int(np.searchsorted(kept.cuts, differ, side="right")) - 1
@@ -257,6 +331,7 @@ class TokenMemo:
         return self._rest(kept, best[0], body, keys)
 
     def _rest(self, kept: _Kept, tokens: int, body: bytes, keys: list[tuple[int, int]]) -> dict[str, Any] | None:
+        assert kept.cuts is not None and kept.head is not None
         cut = int(kept.cuts[tokens // STRIDE - 1])  # body[:cut] is kept.data[:cut]
         close = body.find(b"]", cut)
         if close < 0:
@@ -274,22 +349,24 @@ class TokenMemo:
             tail = {name: _decode(raw) for name, raw in fields.items()}
         except (msgspec.DecodeError, RecursionError, KeyError):
             return None
-        ids = np.concatenate((kept.ids[:tokens], new_ids[1:]))
+        store = _extend(kept, tokens, new_ids[1:])
+        ids = store.arr[: tokens + len(new_ids) - 1]
         ids.setflags(write=False)
         value = dict(kept.head)
         value["prompt"] = ids
         value.update(tail)
         self.reused_tokens += tokens
         cuts = np.concatenate((kept.cuts[: tokens // STRIDE], new_ends[STRIDE::STRIDE]))
-        self._keep(_Kept(body, keys, kept.head, ids, cuts))
+        self._keep(_Kept(body, keys, ids, store, kept.head, cuts))
         return value
 
     # -- bookkeeping
 
     def _keep(self, kept: _Kept) -> None:
-        if not kept.keys or not len(kept.cuts):
+        if not kept.keys or len(kept.ids) < STRIDE:
             return
-        kept.cost = len(kept.data) + kept.ids.nbytes + kept.cuts.nbytes + OVERHEAD
+        # its store whole (shared by a growing prompt's bodies: charged to each), its cuts worked out or not
+        kept.cost = len(kept.data) + kept.store.arr.nbytes + 8 * (len(kept.ids) // STRIDE) + OVERHEAD
         if kept.cost > self.max_bytes:
             return
         kept_id = self._next_id
