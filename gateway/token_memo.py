@@ -11,19 +11,23 @@ those IDs and parses only the rest (``_parse``, numpy).
 
 What ``_parse`` accepts is exactly ``number (, spaces number)*``: decimal integers below 10**8
 (no sign, fraction, exponent or leading zero), a comma and the same number of spaces between
-them; anything else (a valid body of another shape included) is decoded whole, so every error
-reads as before. The rest of the body is decoded by msgspec with the array stood in by ``[0``
-plus what follows it: JSON is context-free, so once the new IDs are known to be valid, the body
-is valid iff the stand-in is, and decodes the same but for the array; that a later ``prompt``
-key does not replace the array is checked by where msgspec finds the stand-in's ``prompt``.
+them. The rest of the body (the fields before the array and after it, from this body's bytes)
+is decoded by msgspec with the array stood in by ``[0``, before the new IDs are parsed: JSON is
+context-free, so once the new IDs are known to be valid, the body is valid iff the stand-in is,
+and decodes the same but for the array; that a later ``prompt`` key does not replace the array
+is checked by where msgspec finds the stand-in's ``prompt``. A body that continues a kept one but
+is anything else (broken, or valid of another shape) is declined (``decode`` answers None) and
+decoded whole once by the caller, so every error reads as before and no body is read twice.
 A body seen the first time is decoded whole by msgspec (a numpy parse of the whole array was
 measured slower: ~4.7 ms against ~3.2 ms at 128k); its IDs are validated as ``parse_request``
 validates a list, and handed on as a read-only uint32 array, so they are converted once.
 
-Kept bodies are found by xxh3 of the 2 kB before their 32nd, 64th, 128th… kB (a key only names
-candidates: the byte comparison decides). Where a kept body's tokens end is worked out when it is
+Kept bodies are found by xxh3 of the 2 kB before their 32nd, 64th, 128th… kB, chained from an
+xxh3 of the bytes before their prompt array (a key only names candidates: the byte comparison
+decides), so tenants whose bodies differ only in a field before the prompt are filed apart. Where a kept body's tokens end is worked out when it is
 first a candidate (one numpy pass over its array), and carried over to the bodies continuing it.
-Bounded by bytes (LRU): a kept body is charged its bytes, its IDs, its ends and ``OVERHEAD``. Per
+Bounded by bytes (LRU): a kept body is charged its bytes, its IDs, its ends and ``OVERHEAD``,
+and holds nothing else (no decoded field: ``[{},{},…]`` decodes to ~20x its bytes). Per
 body, at most ``MAX_COMPARES`` kept ones are compared, each no longer than twice the body, so a
 client cannot make a body cost more than a few passes over its own length beside its decode.
 Used from the event loop only (not thread-safe).
@@ -57,8 +61,6 @@ _PROMPT = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*\[')
 _FEW_BYTES = 4096
 _FEW_IDS = re.compile(rb"(?:0|[1-9][0-9]{0,7})(?:[ \t\n\r]*,[ \t\n\r]*(?:0|[1-9][0-9]{0,7}))*")  # JSON's own grammar
 _NUMBER = re.compile(rb"[0-9]+")
-_OPEN = b'{"prompt":[0'
-_ARRAY_AT = len(b'{"prompt":')
 _ZEROS = np.uint64(0x3030303030303030)
 _ONES = np.uint64(0xFFFFFFFFFFFFFFFF)
 _PAIRS = np.uint64(0x000000FF000000FF)
@@ -125,12 +127,14 @@ def _parse(body: bytes, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] 
     return v.astype(np.uint32), ends
 
 
-def _rungs(body: bytes) -> list[tuple[int, int]]:
+def _rungs(body: bytes, at: int) -> list[tuple[int, int]]:
     """The body's (rung, key) pairs, longest rung first; each key hashes the window before its
-    rung, chained from the key of the rung below."""
+    rung, chained from the key of the rung below, the lowest from the hash of the body's bytes up
+    to its first prompt array (``at``): bodies alike but for a field before the prompt (tenants
+    with one layout) are filed apart, so a body's few compares go to bodies it may continue."""
     view = memoryview(body)
     out = []
-    key = 0
+    key = xxhash.xxh3_64_intdigest(view[:at])
     rung = MIN_BYTES
     while rung <= min(len(body), LADDER_TOP):
         key = xxhash.xxh3_64_intdigest(view[rung - _WINDOW : rung], seed=key)
@@ -151,19 +155,22 @@ class _Store:
 
 @dataclass(slots=True)
 class _Kept:
-    """A decoded token-ID body: its bytes and IDs; once worked out, the fields before its array
-    (decoded) and where every ``STRIDE``-th token ends (``cuts`` None: not yet; empty: unusable)."""
+    """A decoded token-ID body: its bytes and IDs; once worked out, where its array opens and
+    where every ``STRIDE``-th token ends (``cuts`` None: not yet; empty: unusable). Nothing decoded
+    beside the IDs is kept (fields decode to many times their bytes: ``{}`` is a 64-byte dict), so
+    what a kept body holds is what it is charged."""
 
     data: bytes
     keys: list[tuple[int, int]]
     ids: np.ndarray
     store: _Store
-    head: dict[str, Any] | None = None
+    at: int = -1  # the index of its prompt array's ``[``
     cuts: np.ndarray | None = None  # int64: the end of tokens STRIDE-1, 2*STRIDE-1, ...
     cost: int = 0
 
 
 _NONE = np.zeros(0, dtype=np.int64)
+_DECLINED = object()  # a body that continues a kept one but is not what _rest reads
 
 
 def _as_ids(prompt: Any) -> np.ndarray | None:
@@ -197,7 +204,7 @@ def _extend(kept: _Kept, tokens: int, new: np.ndarray) -> _Store:
 
 
 def _work_out(kept: _Kept) -> None:
-    """Where the kept body's array lies, the fields before it, and where its tokens end."""
+    """Where the kept body's array lies and where its tokens end."""
     kept.cuts = _NONE
     data = kept.data
     found = _PROMPT.search(data)
@@ -212,13 +219,12 @@ def _work_out(kept: _Kept) -> None:
         array = _raw_fields(stand_in).get("prompt")
         if array is None or _address(array) - _address(stand_in) != at or bytes(array) != b"[0]":
             return  # the first prompt array is not the one decoded (nested, or replaced)
-        head = _decode(data[:at] + b"0}")
     except (msgspec.DecodeError, RecursionError):
         return
     commas = np.flatnonzero(np.frombuffer(data, dtype=np.uint8, count=close - at - 1, offset=at + 1) == 44)
     if len(commas) != len(kept.ids) - 1:
         return
-    kept.head = head
+    kept.at = at
     kept.cuts = commas[STRIDE - 1 :: STRIDE] + (at + 1)
 
 
@@ -261,6 +267,7 @@ class TokenMemo:
         self.worked_out_bytes = 0  # bytes of kept bodies scanned for their token ends, in all
         self.reused_tokens = 0
         self.compared_bytes = 0  # bytes memcmp'd against kept bodies, in all (bounded per body)
+        self.declined = 0  # bodies that continued a kept one but were then declined (broken, or of another shape)
 
     @property
     def held_bytes(self) -> int:
@@ -269,11 +276,15 @@ class TokenMemo:
     def decode(self, body: bytes) -> Any:
         """The body's JSON value, a flat token-ID prompt as a read-only uint32 array; raises what
         ``msgspec.json.decode`` raises. None: not a long token-ID body (decode it as any other)."""
-        if len(body) < MIN_BYTES or _PROMPT.search(body) is None:
+        found = _PROMPT.search(body) if len(body) >= MIN_BYTES else None
+        if found is None:
             return None
-        keys = _rungs(body) if self.max_bytes else []
+        keys = _rungs(body, found.end() - 1) if self.max_bytes else []
         if self._kept:
             value = self._continue(body, keys)
+            if value is _DECLINED:
+                self.declined += 1
+                return None  # it continues a kept body but is not what _rest reads: decoded whole once, by the caller
             if value is not None:
                 self.hits += 1
                 return value
@@ -293,7 +304,9 @@ class TokenMemo:
 
     # -- a kept body continued
 
-    def _continue(self, body: bytes, keys: list[tuple[int, int]]) -> dict[str, Any] | None:
+    def _continue(self, body: bytes, keys: list[tuple[int, int]]) -> Any:
+        """The body's value when it continues a kept body; None: it continues none; ``_DECLINED``:
+        it continues one but is not what ``_rest`` reads (the caller decodes it whole, once)."""
         best: tuple[int, int, int] | None = None  # (tokens reused, bytes reused, kept id)
         compares = 0
         tried: set[int] = set()
@@ -330,34 +343,36 @@ class TokenMemo:
         self._kept.move_to_end(best[2])
         return self._rest(kept, best[0], body, keys)
 
-    def _rest(self, kept: _Kept, tokens: int, body: bytes, keys: list[tuple[int, int]]) -> dict[str, Any] | None:
-        assert kept.cuts is not None and kept.head is not None
-        cut = int(kept.cuts[tokens // STRIDE - 1])  # body[:cut] is kept.data[:cut]
+    def _rest(self, kept: _Kept, tokens: int, body: bytes, keys: list[tuple[int, int]]) -> Any:
+        """The body's value from ``kept``'s first ``tokens`` IDs and its own new ones; the fields
+        around the array are decoded first (from this body's bytes: a few, as a rule), so a body
+        broken there is declined before its new IDs are parsed."""
+        assert kept.cuts is not None and kept.at >= 0
+        at = kept.at  # body[:cut] is kept.data[:cut], and at < cut
+        cut = int(kept.cuts[tokens // STRIDE - 1])
         close = body.find(b"]", cut)
         if close < 0:
-            return None
-        parsed = _parse(body, cut - 1, close)  # from the shared token's last digit: a number, then the new ones
-        if parsed is None:
-            return None
-        new_ids, new_ends = parsed
-        stand_in = _OPEN + body[close:]
+            return _DECLINED
+        stand_in = body[: at + 1] + b"0" + body[close:]
         try:
             fields = _raw_fields(stand_in)
-            array = fields.pop("prompt")
-            if _address(array) - _address(stand_in) != _ARRAY_AT:
-                return None  # a later "prompt" replaced the array
-            tail = {name: _decode(raw) for name, raw in fields.items()}
-        except (msgspec.DecodeError, RecursionError, KeyError):
-            return None
+            array = fields.get("prompt")
+            if array is None or _address(array) - _address(stand_in) != at:
+                return _DECLINED  # a later "prompt" replaced the array
+            value = {name: _decode(raw) for name, raw in fields.items()}
+        except (msgspec.DecodeError, RecursionError):
+            return _DECLINED
+        parsed = _parse(body, cut - 1, close)  # from the shared token's last digit: a number, then the new ones
+        if parsed is None:
+            return _DECLINED
+        new_ids, new_ends = parsed
         store = _extend(kept, tokens, new_ids[1:])
         ids = store.arr[: tokens + len(new_ids) - 1]
         ids.setflags(write=False)
-        value = dict(kept.head)
         value["prompt"] = ids
-        value.update(tail)
         self.reused_tokens += tokens
         cuts = np.concatenate((kept.cuts[: tokens // STRIDE], new_ends[STRIDE::STRIDE]))
-        self._keep(_Kept(body, keys, ids, store, kept.head, cuts))
+        self._keep(_Kept(body, keys, ids, store, at, cuts))
         return value
 
     # -- bookkeeping
