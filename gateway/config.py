@@ -143,6 +143,9 @@ class TokenizerConfig(_Section):
     body_memo_bytes: ByteSize = Field(
         64 * MiB, description="long chat bodies kept with their decoded messages: a continuing chat JSON-decodes only what is new (0: off; gateway/body_memo.py)"
     )
+    token_memo_bytes: ByteSize = Field(
+        64 * MiB, description="long token-ID prompt bodies kept with their IDs: a resent, growing one parses only its new IDs (0: off; gateway/token_memo.py)"
+    )
 
     @field_validator("chat_template")
     @classmethod

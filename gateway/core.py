@@ -68,9 +68,11 @@ from gateway.elastic import DrainingNodes, HotRecorder
 from gateway.envoy_config import DESTINATION_HEADER, PREFILLER_HEADER, PULL_BLOCKS_HEADER, PULL_SOURCE_HEADER
 from gateway.profile import HardwareProfile
 from gateway.sessions import Retention, retention, session_id, session_key
+from gateway.token_memo import TokenMemo
 from gateway.types import Decision, PrefillPlan, RoutingRequest
 from tokenizer import InvalidPrompt, PreparedPrompt, PromptHead, PromptTokenizer, PromptTooLarge
 from tokenizer.keys import PrefixKeyCache, request_seed
+from tokenizer.openai_body import COMPLETIONS_PATH
 
 if TYPE_CHECKING:  # the OpenTelemetry SDK is imported only when tracing is on
     from gateway.tracing import DecisionTracer
@@ -176,6 +178,7 @@ class RoutingCore:
         clock: Callable[[], float] = time.monotonic,
         background: BackgroundTokenizer | None = None,
         body_memo_bytes: int = 64 << 20,
+        token_memo_bytes: int = 64 << 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.directory = directory
@@ -185,6 +188,7 @@ class RoutingCore:
         self.limits = limits
         self.keys = PrefixKeyCache()
         self.bodies = BodyMemo(max_bytes=body_memo_bytes)  # a chat's history is not JSON-decoded again
+        self.token_bodies = TokenMemo(max_bytes=token_memo_bytes)  # nor a token-ID prompt's, nor into a list
         self.background = background or BackgroundTokenizer(tokenizer)  # whole prompts after a head decision
         self._tasks: set[asyncio.Task] = set()  # sessions being recorded (the loop keeps only weak references)
         self.decision_log = decision_log  # None: /debug endpoints are off, keep nothing
@@ -260,7 +264,9 @@ class RoutingCore:
         if len(body) > lim.max_body_bytes:
             return _reject(413, f"request body of {len(body)} bytes exceeds the limit of {lim.max_body_bytes} bytes")
         try:
-            req = self.bodies.decode(body)
+            req = self.token_bodies.decode(body) if path.startswith(COMPLETIONS_PATH) else None
+            if req is None:
+                req = self.bodies.decode(body)
         except msgspec.DecodeError as e:
             return _reject(400, f"request body is not valid JSON: {e}")
         except RecursionError:  # msgspec recurses per nesting level: a client's doing, not ours

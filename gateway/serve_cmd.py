@@ -222,7 +222,7 @@ async def serve(cfg: KvgateConfig, *, stop: asyncio.Event | None = None, freeze_
         tokenizer, TrustedDirectory(directory, trusted_fleet(cfg, discovery), health, verdicts), policy,
         load_profile(cfg.policy.profile), limits_from_config(cfg),
         decision_log=decision_log, tracer=tracing.tracer if tracing is not None else None, background=background,
-        body_memo_bytes=cfg.tokenizer.body_memo_bytes,
+        body_memo_bytes=cfg.tokenizer.body_memo_bytes, token_memo_bytes=cfg.tokenizer.token_memo_bytes,
     )
 
     keeper = StaticFleetKeeper(directory, static_nodes(cfg), interval_s=max(cfg.directory.heartbeat_ttl_s / 3, 0.2))

@@ -299,8 +299,8 @@ def test_kvgate_serve_freezes_its_start_up_heap_once_listening(tmp_path: Path):
 
 @pytest.mark.parametrize(("setting", "expected"), [("0", 0), ("2MiB", 2 << 20)])
 def test_the_configured_body_memo_bound_is_the_serving_cores(monkeypatch: pytest.MonkeyPatch, setting: str, expected: int):
-    """``tokenizer.body_memo_bytes`` reaches the routing core ``kvgate serve`` builds (0: every
-    body is decoded whole)."""
+    """``tokenizer.body_memo_bytes`` and ``token_memo_bytes`` reach the routing core ``kvgate serve``
+    builds (0: every body is decoded whole)."""
     import asyncio
 
     from gateway import serve_cmd
@@ -315,7 +315,7 @@ def test_the_configured_body_memo_bound_is_the_serving_cores(monkeypatch: pytest
 
     monkeypatch.setattr(serve_cmd, "RoutingCore", Recorded)
     cfg = load_config(listen_host="127.0.0.1", ext_proc_port=free_port(), admin_port=free_port(),
-                      directory={"url": "memory://"}, tokenizer={"body_memo_bytes": setting})  # fmt: skip
+                      directory={"url": "memory://"}, tokenizer={"body_memo_bytes": setting, "token_memo_bytes": setting})  # fmt: skip
 
     async def run() -> None:
         stop = asyncio.Event()
@@ -328,7 +328,7 @@ def test_the_configured_body_memo_bound_is_the_serving_cores(monkeypatch: pytest
         await asyncio.wait_for(task, 60)
 
     asyncio.run(run())
-    assert built and built[0].bodies.max_bytes == expected
+    assert built and built[0].bodies.max_bytes == expected and built[0].token_bodies.max_bytes == expected
 
 
 def test_a_nodes_events_sources_are_host_addresses():

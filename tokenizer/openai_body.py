@@ -94,6 +94,18 @@ def _refusal(ids: list[Any], *, vocab_size: int, where: str) -> InvalidPrompt:
     return InvalidPrompt(f"{where} must be an array of token IDs")
 
 
+def _decoded_ids(ids: np.ndarray, *, vocab_size: int, where: str) -> np.ndarray:
+    """A prompt the gateway decoded as uint32 itself (``gateway.token_memo``: JSON non-negative
+    integers only), checked against the vocabulary as ``token_ids_array`` checks a list."""
+    if not len(ids):
+        raise InvalidPrompt(f"{where} must not be empty")
+    out_of_vocab = ids >= vocab_size
+    if out_of_vocab.any():
+        i = int(np.argmax(out_of_vocab))
+        raise InvalidPrompt(f"{where}[{i}] is not a valid token ID: {int(ids[i])} (vocabulary size {vocab_size})")
+    return ids
+
+
 def _chat_prompt(body: dict[str, Any]) -> ChatPrompt:
     if "messages" not in body:
         raise InvalidPrompt("'messages' is a required property")
@@ -130,6 +142,8 @@ def _completion_prompt(body: dict[str, Any], vocab_size: int) -> TextPrompt | To
     prompt = body["prompt"]
     add_special_tokens = _optional_bool(body, "add_special_tokens", True)
     where = "'prompt'"
+    if isinstance(prompt, np.ndarray):  # a JSON array of token IDs, decoded by the gateway without a list
+        return TokenPrompt(_decoded_ids(prompt, vocab_size=vocab_size, where=where))
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         kind = type(prompt[0])
         for i, item in enumerate(prompt):
