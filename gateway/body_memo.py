@@ -45,7 +45,7 @@ MAX_COMPARES = 3  # message ends tried with a full comparison per kept body
 MAX_GUARDS = 64  # message ends tried at all per kept body, the last ones (a continuation shares nearly all)
 MAX_MESSAGES = 1 << 16  # bodies with more messages are decoded whole (no chat has them; bounds held lists)
 _GUARD = 32  # bytes before a message's end compared first (most wrong ends differ there)
-_WINDOW = 2048  # bytes before a rung that file a body under it (hashing all of them cost ~25 µs at 128k)
+RUNG_WINDOW = 2048  # bytes before a rung that file a body under it (hashing all of them cost ~25 µs at 128k)
 _OPEN = b'{"messages":[0'
 _FEW = 8  # message ranges counted, or items located, one by one; more at once (numpy)
 _SCAN = 4096  # bytes of a non-ASCII range scanned by a regex for its widest character; more by numpy
@@ -62,15 +62,17 @@ def _address(buffer: Any) -> int:
     return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
 
 
-def _keys(body: bytes) -> list[tuple[int, int]]:
-    """The body's (rung, key) pairs, longest rung first: each key hashes the window before its
-    rung, chained from the key of the rung below."""
+def rung_keys(body: bytes, *, lowest: int = MIN_BYTES, seed: int = 0) -> list[tuple[int, int]]:
+    """The body's (rung, key) pairs, longest rung first: rungs double from ``lowest`` up to
+    ``LADDER_TOP``; each key hashes the ``RUNG_WINDOW`` bytes before its rung, chained from the key of
+    the rung below (the lowest from ``seed``). A body that continues another shares its rungs' keys
+    up to where it goes on, so a lookup by them finds the bodies it may continue."""
     view = memoryview(body)
     out = []
-    key = 0
-    rung = MIN_BYTES
+    key = seed
+    rung = lowest
     while rung <= min(len(body), LADDER_TOP):
-        key = xxhash.xxh3_64_intdigest(view[rung - _WINDOW : rung], seed=key)
+        key = xxhash.xxh3_64_intdigest(view[rung - RUNG_WINDOW : rung], seed=key)
         out.append((rung, key))
         rung *= 2
     return out[::-1]
@@ -111,7 +113,7 @@ class BodyMemo:
         """The body's JSON value; raises what ``msgspec.json.decode`` raises."""
         if len(body) < MIN_BYTES or not self.max_bytes:
             return _decode(body)
-        hashes = _keys(body)
+        hashes = rung_keys(body)
         best: tuple[int, int, int] | None = None  # (bytes reused, kept id, message index)
         tried: set[int] = set()
         for rung, key in hashes:
@@ -123,9 +125,9 @@ class BodyMemo:
                 found = self._longest(kept, body)
                 if found is not None and (best is None or found[0] > best[0]):
                     best = (found[0], kept_id, found[1])
-                    if best[0] >= rung - _WINDOW:  # past this rung's window: what it was filed for
+                    if best[0] >= rung - RUNG_WINDOW:  # past this rung's window: what it was filed for
                         break
-            if best is not None and best[0] >= rung - _WINDOW:  # no shorter rung will do better
+            if best is not None and best[0] >= rung - RUNG_WINDOW:  # no shorter rung will do better
                 break
         if best is not None and best[1] in self._kept:
             # made recent first: keeping the continued body may evict the least recent, this one too

@@ -44,18 +44,17 @@ import msgspec
 import numpy as np
 import xxhash
 
+from gateway.body_memo import RUNG_WINDOW, rung_keys  # the same ladder of rungs as chat bodies'
 from tokenizer.errors import InvalidPrompt
 from tokenizer.openai_body import token_ids_array
 
 MIN_BYTES = 32 << 10  # shorter bodies (~5k tokens) are decoded whole: numpy's calls cost more than msgspec's below
-LADDER_TOP = 64 << 20
 STRIDE = 16  # a kept body's IDs are reused up to the end of a token whose index + 1 is a multiple of this
 BUCKET = 8  # kept bodies filed under one rung key (the most recent ones)
 MAX_COMPARES = 3  # kept bodies compared with a body, at most
 MAX_LONGER = 2  # kept bodies longer than this many times a body are not worked out for it
 MAX_SPACES = 4  # spaces after each comma accepted (json.dumps puts one)
 OVERHEAD = 1024  # bytes charged a kept body beyond its arrays (its objects, index entries, head)
-_WINDOW = 2048
 _CHUNK = 64 << 10  # bytes compared at a time while looking for the first difference
 _PROMPT = re.compile(rb'"prompt"[ \t\n\r]*:[ \t\n\r]*\[')
 _FEW_BYTES = 4096
@@ -128,19 +127,10 @@ def _parse(body: bytes, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] 
 
 
 def _rungs(body: bytes, at: int) -> list[tuple[int, int]]:
-    """The body's (rung, key) pairs, longest rung first; each key hashes the window before its
-    rung, chained from the key of the rung below, the lowest from the hash of the body's bytes up
-    to its first prompt array (``at``): bodies alike but for a field before the prompt (tenants
+    """The body's (rung, key) pairs, longest rung first, chained from the hash of the body's bytes
+    up to its first prompt array (``at``): bodies alike but for a field before the prompt (tenants
     with one layout) are filed apart, so a body's few compares go to bodies it may continue."""
-    view = memoryview(body)
-    out = []
-    key = xxhash.xxh3_64_intdigest(view[:at])
-    rung = MIN_BYTES
-    while rung <= min(len(body), LADDER_TOP):
-        key = xxhash.xxh3_64_intdigest(view[rung - _WINDOW : rung], seed=key)
-        out.append((rung, key))
-        rung *= 2
-    return out[::-1]
+    return rung_keys(body, lowest=MIN_BYTES, seed=xxhash.xxh3_64_intdigest(memoryview(body)[:at]))
 
 
 @dataclass(slots=True)
@@ -333,9 +323,9 @@ class TokenMemo:
                     i -= 1  # the token goes on in this body: the one before is the last shared
                 if i >= 0 and (best is None or (i + 1) * STRIDE > best[0]):
                     best = ((i + 1) * STRIDE, int(kept.cuts[i]), kept_id)
-                    if best[1] >= rung - _WINDOW:
+                    if best[1] >= rung - RUNG_WINDOW:
                         break  # what this rung was filed for is reused: no other body does much better
-            if compares >= MAX_COMPARES or (best is not None and best[1] >= rung - _WINDOW):
+            if compares >= MAX_COMPARES or (best is not None and best[1] >= rung - RUNG_WINDOW):
                 break  # what this rung was filed for is reused: no shorter rung does better
         if best is None:
             return None
