@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gateway.envoy_config import EnvoySettings, render_yaml
+from gateway.local_ports import free_port
 from loadtest.policies import check_prerequisites
 from loadtest.procs import envoy_binary
 from tokenizer.loading import default_tokenizer_path
@@ -66,12 +66,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--background-worker", choices=("process", "thread"), default="process",
                    help="kvgate's tokenizer.background_worker for this run")
     p.add_argument("--json", dest="json_path", help="write the figures here")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _wait_port(port: int, timeout_s: float = 30.0) -> None:
@@ -286,7 +280,7 @@ def sglang_process(work: Path, port: int, node: str) -> subprocess.Popen:
     """sglang-router's cache-aware policy in front of ``node`` (it replaces Envoy: no Envoy in its path)."""
     args = [
         "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware", "--worker-urls", f"http://{node}",
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(_free_port()), "--log-level", "warn",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
     ]
     return subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", *args],
@@ -326,8 +320,8 @@ def check_targets(targets: Sequence[str], sweep: bool) -> None:
 
 async def overhead(args: argparse.Namespace, targets: Sequence[str], sizes: Sequence[int]) -> dict:
     work = Path(tempfile.mkdtemp(prefix="kvgate-bench-"))
-    up_port, ep_port, authz_port, admin_port = _free_port(), _free_port(), _free_port(), _free_port()
-    listen = {name: _free_port() for name in targets if name != "direct"}
+    up_port, ep_port, authz_port, admin_port = free_port(), free_port(), free_port(), free_port()
+    listen = {name: free_port() for name in targets if name != "direct"}
     node = f"127.0.0.1:{up_port}"
     cfg = {
         "listen_host": "127.0.0.1",
@@ -355,7 +349,7 @@ async def overhead(args: argparse.Namespace, targets: Sequence[str], sizes: Sequ
             procs[name] = envoy_process(work, name, EnvoySettings(
                 fleet=[node], integration=ENVOY_TARGETS[name], ext_proc_address=f"127.0.0.1:{ep_port}",  # type: ignore[arg-type]
                 ext_authz_address=f"127.0.0.1:{authz_port}", listen_address=f"127.0.0.1:{port}",
-                admin_address=f"127.0.0.1:{_free_port()}", message_timeout_ms=1000,
+                admin_address=f"127.0.0.1:{free_port()}", message_timeout_ms=1000,
             ))
         for port in (admin_port, *listen.values()):
             await _wait_port(port)

@@ -16,28 +16,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from gateway.local_ports import free_port, free_ports  # noqa: F401  (re-exported for the fleets)
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all held open while choosing, so they cannot repeat)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def envoy_binary() -> str:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import socket
 import sys
 import uuid
 from collections.abc import Iterator
@@ -13,27 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from gateway.local_ports import free_port, free_ports  # noqa: F401  (one rule for every test)
+
 pytest_plugins = ["tests.redis_servers"]  # private redis-server and Redis Cluster fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 REDIS_URL = os.environ.get("KVGATE_TEST_REDIS", "redis://127.0.0.1:6379/0")
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (each ``free_port`` call alone may hand out a port again before
-    anything binds it: a fleet's servers then collide, one answering on another's port)."""
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 @pytest.fixture
