@@ -244,3 +244,60 @@ async def _true(value: bool) -> bool:
 @pytest.fixture
 def node_id(key_prefix: str) -> str:
     return "hostile-" + key_prefix.rsplit(":", 1)[-1]
+
+
+class SlowReplay:
+    """A replay ROUTER that answers a real history, one batch every ``gap_s``: slow, but never
+    silent for as long as the bridge's replay timeout (a busy gateway reading a full buffer)."""
+
+    def __init__(self, batches: list[bytes], gap_s: float) -> None:
+        self.endpoint = f"tcp://127.0.0.1:{free_port()}"
+        self._batches, self._gap_s = batches, gap_s
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(self.endpoint)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self._sock.poll(50):
+                continue
+            ident, _, start = self._sock.recv_multipart()
+            for seq in range(int.from_bytes(start, "big", signed=True), len(self._batches)):
+                if self._stop.wait(self._gap_s):
+                    return
+                self._sock.send_multipart([ident, b"", b"topic", encode_seq(seq), self._batches[seq]])
+            self._sock.send_multipart([ident, b"", b"", encode_seq(-1), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+async def test_a_slow_replay_that_keeps_answering_is_applied_whole(node_id: str) -> None:
+    """A bridge catching up reads the engine's buffer batch by batch; each batch arrives within
+    the replay timeout (0.3 s) but the whole takes ~1 s. Before: the timeout bounded the whole
+    answer, so the replay "timed out", the node was degraded (its entries withheld, routed by
+    load) until some later event made the bridge try again — and a quiet engine never sends one.
+    Now each batch gets the timeout, the whole answer 15 of them: the history is applied."""
+    directory = open_directory("memory://", heartbeat_ttl_s=5.0, index_stride=1)
+    history = [encode_batch([stored([i + 1], tokens(1000 * i, 1))]) for i in range(10)]
+    replay = SlowReplay(history, gap_s=0.1)
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{free_port()}")
+    spec = EngineSpec(node_id=node_id, address="127.0.0.1:9", events=pub.endpoint, replay=replay.endpoint)
+    bridge = KVEventBridge(directory, [spec], model=MODEL, block_size=16, heartbeat_interval_s=0.2, replay_timeout_s=0.3)
+    try:
+        await bridge.start()
+        await eventually(lambda: _true(bridge.stats(node_id).tracked_blocks == 10), timeout=5, what="history applied")
+        assert not bridge.stats(node_id).degraded
+        await eventually(lambda: _eq(held(directory, node_id, keys_of(tokens(9000, 1))), 1), what="written")
+    finally:
+        await bridge.aclose()
+        pub.close()
+        replay.close()
+        await directory.aclose()

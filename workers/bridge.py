@@ -732,6 +732,10 @@ class KVEventBridge:
     """Blocks of live events applied between two yields to the event loop (~0.2 ms of work)."""
     REPLAY_SLICE_S = 0.002
     """Work done applying a replayed history (catch-up, gap repair) between two yields to the loop."""
+    REPLAY_SPAN_TIMEOUTS = 15
+    """A replay answers each batch within ``replay_timeout_s`` of the last and ends within this many
+    of them (30 s by default): an engine's whole buffer (vLLM keeps 10,000 batches) read by a busy
+    gateway may take longer than one timeout, yet a trickling replay socket cannot hold it for ever."""
 
     def __init__(
         self,
@@ -1141,7 +1145,9 @@ class KVEventBridge:
                 st.expected = live_seq  # a hole before live_seq could hide removals: start clean here
 
     async def _fetch_replay(self, st: _Stream, start: int) -> list[tuple[int, bytes]] | None:
-        """Every buffered batch from ``start`` on, or None if the replay socket did not answer.
+        """Every buffered batch from ``start`` on, or None if the replay socket did not answer
+        (a batch not within ``replay_timeout_s`` of the last, or the whole not within
+        ``REPLAY_SPAN_TIMEOUTS`` of them).
 
         A fresh DEALER per request: a late answer to a timed-out request can never be mistaken
         for the answer to the next one.
@@ -1152,12 +1158,12 @@ class KVEventBridge:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         out: list[tuple[int, bytes]] = []
-        deadline = time.monotonic() + self._replay_timeout_s
+        ends_by = time.monotonic() + self._replay_timeout_s * self.REPLAY_SPAN_TIMEOUTS
         try:
             sock.connect(st.spec.replay)
             await sock.send_multipart((b"", encode_seq(start)))
             while True:
-                left = deadline - time.monotonic()
+                left = min(self._replay_timeout_s, ends_by - time.monotonic())
                 if left <= 0 or not await sock.poll(left * 1000):
                     log.warning("node %s: replay from seq %d timed out", st.spec.node_id, start)
                     self._replay_failed(st, "timeout")

@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--heartbeat-interval", type=float, default=None, help="seconds between heartbeats (default: a third of the TTL)"
     )
-    parser.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for a replay answer")
+    parser.add_argument("--replay-timeout", type=float, default=2.0, help="seconds to wait for each batch of a replay answer (the whole answer: 15 times that)")
     parser.add_argument(
         "--engine-timeout",
         type=float,
